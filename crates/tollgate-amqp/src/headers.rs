@@ -1,0 +1,164 @@
+//! tollgate's own AMQP headers: the job's [`Progress`] between deliveries,
+//! and the reason on dead letters. A producer could set these too, so they
+//! are type-checked like the body.
+
+use std::time::Duration;
+
+use lapin::types::{AMQPValue, FieldTable, LongString};
+use tollgate_core::{Malformed, ParkReason, Progress, UnixMillis};
+
+pub const ATTEMPT: &str = "x-tollgate-attempt";
+pub const FIRST_SEEN_MS: &str = "x-tollgate-first-seen-ms";
+pub const QUOTA_WAIT_MS: &str = "x-tollgate-quota-wait-ms";
+pub const NOT_BEFORE_MS: &str = "x-tollgate-not-before-ms";
+pub const PARK_REASON: &str = "x-tollgate-park-reason";
+pub const ENQUEUED_MS: &str = "x-tollgate-enqueued-ms";
+/// On dead letters: `malformed`, `expired`, `rejected`, `exhausted`, `poison`.
+pub const REASON: &str = "x-tollgate-reason";
+/// On dead letters: the precise cause, for humans.
+pub const DETAIL: &str = "x-tollgate-detail";
+pub const DEAD_AT_MS: &str = "x-tollgate-dead-at-ms";
+
+fn int(headers: &FieldTable, name: &'static str) -> Result<Option<i64>, Malformed> {
+    let Some(value) = headers.inner().get(name) else {
+        return Ok(None);
+    };
+    let n = match *value {
+        AMQPValue::ShortShortInt(n) => i64::from(n),
+        AMQPValue::ShortShortUInt(n) => i64::from(n),
+        AMQPValue::ShortInt(n) => i64::from(n),
+        AMQPValue::ShortUInt(n) => i64::from(n),
+        AMQPValue::LongInt(n) => i64::from(n),
+        AMQPValue::LongUInt(n) => i64::from(n),
+        AMQPValue::LongLongInt(n) => n,
+        AMQPValue::Timestamp(n) => i64::try_from(n).unwrap_or(i64::MAX),
+        _ => {
+            return Err(Malformed::Header {
+                name,
+                reason: "expected an integer".into(),
+            });
+        }
+    };
+    if n < 0 {
+        return Err(Malformed::Header {
+            name,
+            reason: format!("{n} is negative"),
+        });
+    }
+    Ok(Some(n))
+}
+
+/// A header as text, if present and a string.
+pub fn text(headers: &FieldTable, name: &str) -> Option<String> {
+    match headers.inner().get(name)? {
+        AMQPValue::LongString(s) => Some(String::from_utf8_lossy(s.as_bytes()).into_owned()),
+        AMQPValue::ShortString(s) => Some(s.as_str().to_owned()),
+        _ => None,
+    }
+}
+
+/// Reads the progress a delivery carries. Absent headers mean a fresh job.
+pub fn read_progress(headers: Option<&FieldTable>) -> Result<Progress, Malformed> {
+    let Some(h) = headers else {
+        return Ok(Progress::default());
+    };
+    let park_reason = match h.inner().get(PARK_REASON) {
+        None => None,
+        Some(_) => Some(
+            text(h, PARK_REASON)
+                .and_then(|s| ParkReason::parse(&s))
+                .ok_or(Malformed::Header {
+                    name: PARK_REASON,
+                    reason: "not a known park reason".into(),
+                })?,
+        ),
+    };
+    let attempt = int(h, ATTEMPT)?.unwrap_or(0);
+    Ok(Progress {
+        attempt: u32::try_from(attempt).map_err(|_| Malformed::Header {
+            name: ATTEMPT,
+            reason: format!("{attempt} is too large"),
+        })?,
+        first_seen: int(h, FIRST_SEEN_MS)?.map(UnixMillis),
+        quota_wait: Duration::from_millis(int(h, QUOTA_WAIT_MS)?.unwrap_or(0) as u64),
+        not_before: int(h, NOT_BEFORE_MS)?.map(UnixMillis),
+        park_reason,
+        enqueued_at: int(h, ENQUEUED_MS)?.map(UnixMillis),
+    })
+}
+
+/// Writes `progress` into `headers`, replacing any previous values.
+pub fn write_progress(headers: &mut FieldTable, progress: &Progress) {
+    let mut set = |name: &str, value: Option<i64>| match value {
+        Some(v) => {
+            headers.insert(name.into(), AMQPValue::LongLongInt(v));
+        }
+        None => {
+            remove(headers, name);
+        }
+    };
+    set(ATTEMPT, Some(i64::from(progress.attempt)));
+    set(FIRST_SEEN_MS, progress.first_seen.map(|t| t.0));
+    set(QUOTA_WAIT_MS, Some(progress.quota_wait.as_millis() as i64));
+    set(NOT_BEFORE_MS, progress.not_before.map(|t| t.0));
+    set(ENQUEUED_MS, progress.enqueued_at.map(|t| t.0));
+    match progress.park_reason {
+        Some(r) => {
+            headers.insert(PARK_REASON.into(), AMQPValue::LongString(LongString::from(r.as_str())));
+        }
+        None => remove(headers, PARK_REASON),
+    }
+}
+
+pub fn set_text(headers: &mut FieldTable, name: &str, value: &str) {
+    headers.insert(name.into(), AMQPValue::LongString(LongString::from(value)));
+}
+
+fn remove(headers: &mut FieldTable, name: &str) {
+    let mut map = headers.inner().clone();
+    if map.remove(name).is_some() {
+        *headers = FieldTable::from(map);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn progress_round_trips() {
+        let progress = Progress {
+            attempt: 2,
+            first_seen: Some(UnixMillis(1_000)),
+            quota_wait: Duration::from_millis(1_500),
+            not_before: Some(UnixMillis(9_000)),
+            park_reason: Some(ParkReason::Throttled),
+            enqueued_at: Some(UnixMillis(8_000)),
+        };
+        let mut headers = FieldTable::default();
+        write_progress(&mut headers, &progress);
+        assert_eq!(read_progress(Some(&headers)).unwrap(), progress);
+    }
+
+    #[test]
+    fn absent_headers_are_a_fresh_job() {
+        assert_eq!(read_progress(None).unwrap(), Progress::default());
+        assert_eq!(read_progress(Some(&FieldTable::default())).unwrap(), Progress::default());
+    }
+
+    #[test]
+    fn wrong_types_are_malformed() {
+        let mut headers = FieldTable::default();
+        set_text(&mut headers, ATTEMPT, "three");
+        assert!(matches!(
+            read_progress(Some(&headers)),
+            Err(Malformed::Header { name: ATTEMPT, .. })
+        ));
+        let mut headers = FieldTable::default();
+        headers.insert(ATTEMPT.into(), AMQPValue::LongLongInt(-1));
+        assert!(read_progress(Some(&headers)).is_err());
+        let mut headers = FieldTable::default();
+        set_text(&mut headers, PARK_REASON, "bored");
+        assert!(read_progress(Some(&headers)).is_err());
+    }
+}

@@ -1,0 +1,338 @@
+//! The RabbitMQ adapter: topology, a consumer over the work queues, and a
+//! publisher whose every publish is confirmed by the broker before the
+//! runtime acks the delivery it replaces (park, retry, dead letter).
+
+pub mod headers;
+mod topology;
+
+use std::time::Duration;
+
+use futures::stream::{self, BoxStream, StreamExt};
+use lapin::message::Delivery;
+use lapin::options::{
+    BasicCancelOptions, BasicConsumeOptions, BasicGetOptions, BasicNackOptions, BasicPublishOptions, BasicQosOptions,
+    ConfirmSelectOptions, QueueDeclareOptions,
+};
+use lapin::types::{FieldTable, ShortString};
+use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProperties};
+use tollgate_core::{DeadReason, Job, Progress, TenantId, UnixMillis};
+
+pub use lapin;
+pub use topology::Topology;
+
+#[derive(Debug, thiserror::Error)]
+pub enum AmqpError {
+    #[error("connecting to RabbitMQ at {url}: {source}")]
+    Connect {
+        url: String,
+        #[source]
+        source: lapin::Error,
+    },
+    #[error(
+        "RabbitMQ lacks the {0} plugin: run `rabbitmq-plugins enable {0}` (or `make services`)"
+    )]
+    MissingPlugin(&'static str),
+    #[error("declaring {name}: {source}")]
+    Declare {
+        name: String,
+        #[source]
+        source: lapin::Error,
+    },
+    #[error("publishing to {exchange}: {source}")]
+    Publish {
+        exchange: String,
+        #[source]
+        source: lapin::Error,
+    },
+    #[error("the broker refused (nacked) a publish to {0}")]
+    Nacked(String),
+    #[error("a publish to {exchange} with routing key {routing_key:?} reached no queue")]
+    Unroutable {
+        exchange: String,
+        routing_key: String,
+    },
+    #[error("RabbitMQ channel: {0}")]
+    Channel(#[from] lapin::Error),
+}
+
+impl AmqpError {
+    fn declare(name: &str, source: lapin::Error) -> Self {
+        Self::Declare {
+            name: name.to_owned(),
+            source,
+        }
+    }
+}
+
+/// One connection to RabbitMQ with a confirmed publisher channel.
+pub struct Broker {
+    conn: Connection,
+    topology: Topology,
+    publisher: Channel,
+}
+
+impl Broker {
+    /// `url_for_errors` is the URL with any password redacted.
+    pub async fn connect(
+        url: &str,
+        url_for_errors: &str,
+        connection_name: &str,
+        topology: Topology,
+    ) -> Result<Self, AmqpError> {
+        let props = ConnectionProperties::default().with_connection_name(connection_name.into());
+        let conn = Connection::connect(url, props)
+            .await
+            .map_err(|source| AmqpError::Connect {
+                url: url_for_errors.to_owned(),
+                source,
+            })?;
+        let publisher = conn.create_channel().await?;
+        publisher.confirm_select(ConfirmSelectOptions::default()).await?;
+        Ok(Self {
+            conn,
+            topology,
+            publisher,
+        })
+    }
+
+    pub fn topology(&self) -> &Topology {
+        &self.topology
+    }
+
+    pub fn is_connected(&self) -> bool {
+        self.conn.status().connected() && self.publisher.status().connected()
+    }
+
+    /// Declares the whole topology on a fresh channel (a failed declare
+    /// closes its channel, so it must not be the publisher's).
+    pub async fn declare_topology(&self) -> Result<(), AmqpError> {
+        let channel = self.conn.create_channel().await?;
+        let result = self.topology.declare(&channel).await;
+        let _ = channel.close(200, "declared".into()).await;
+        result
+    }
+
+    pub async fn delete_topology(&self) -> Result<(), AmqpError> {
+        let channel = self.conn.create_channel().await?;
+        let result = self.topology.delete(&channel).await;
+        let _ = channel.close(200, "deleted".into()).await;
+        result
+    }
+
+    /// Publishes `body` and waits for the broker's confirm. `mandatory`, so a
+    /// message that reaches no queue is an error, not a silent loss.
+    pub async fn publish(
+        &self,
+        exchange: &str,
+        routing_key: &str,
+        body: &[u8],
+        properties: BasicProperties,
+    ) -> Result<(), AmqpError> {
+        let options = BasicPublishOptions {
+            mandatory: true,
+            ..Default::default()
+        };
+        let err = |source| AmqpError::Publish {
+            exchange: exchange.to_owned(),
+            source,
+        };
+        let confirm = self
+            .publisher
+            .basic_publish(exchange.into(), routing_key.into(), options, body, properties)
+            .await
+            .map_err(err)?
+            .await
+            .map_err(err)?;
+        match confirm {
+            Confirmation::Ack(None) => Ok(()),
+            Confirmation::Ack(Some(_)) => Err(AmqpError::Unroutable {
+                exchange: exchange.to_owned(),
+                routing_key: routing_key.to_owned(),
+            }),
+            Confirmation::Nack(_) => Err(AmqpError::Nacked(exchange.to_owned())),
+            Confirmation::NotRequested => unreachable!("the publisher channel is in confirm mode"),
+        }
+    }
+
+    /// Publishes a new job to the jobs exchange, routing key = tenant.
+    pub async fn publish_job(&self, job: &Job, first_seen: UnixMillis) -> Result<(), AmqpError> {
+        let progress = Progress {
+            first_seen: Some(first_seen),
+            enqueued_at: Some(first_seen),
+            ..Progress::default()
+        };
+        let mut headers = FieldTable::default();
+        headers::write_progress(&mut headers, &progress);
+        let props = job_properties()
+            .with_message_id(job.id.as_str().into())
+            .with_timestamp((first_seen.0 / 1000).max(0) as u64)
+            .with_headers(headers);
+        self.publish(&self.topology.jobs_exchange(), job.tenant.as_str(), &job.to_json(), props)
+            .await
+    }
+
+    /// Publishes a copy of `delivery` carrying `progress` to a delay tier.
+    /// The copy expires back into the jobs exchange with the tenant as its
+    /// routing key. The caller acks the delivery after this returns.
+    pub async fn park(
+        &self,
+        delivery: &Delivery,
+        tenant: &TenantId,
+        progress: &Progress,
+        tier: Duration,
+    ) -> Result<(), AmqpError> {
+        let mut headers = delivery.properties.headers().clone().unwrap_or_default();
+        headers::write_progress(&mut headers, progress);
+        let props = delivery.properties.clone().with_delivery_mode(2).with_headers(headers);
+        self.publish(&self.topology.tier(tier), tenant.as_str(), &delivery.data, props)
+            .await
+    }
+
+    /// Publishes `delivery` to the dead-letter exchange with its reason.
+    /// Body and headers are kept; the caller acks afterwards.
+    pub async fn dead_letter(
+        &self,
+        delivery: &Delivery,
+        progress: Option<&Progress>,
+        reason: DeadReason,
+        detail: &str,
+        now: UnixMillis,
+    ) -> Result<(), AmqpError> {
+        let mut headers = delivery.properties.headers().clone().unwrap_or_default();
+        if let Some(progress) = progress {
+            headers::write_progress(&mut headers, progress);
+        }
+        headers::set_text(&mut headers, headers::REASON, reason.as_str());
+        headers::set_text(&mut headers, headers::DETAIL, detail);
+        headers.insert(
+            headers::DEAD_AT_MS.into(),
+            lapin::types::AMQPValue::LongLongInt(now.0),
+        );
+        let props = delivery.properties.clone().with_delivery_mode(2).with_headers(headers);
+        self.publish(
+            &self.topology.dead_letter_exchange(),
+            delivery.routing_key.as_str(),
+            &delivery.data,
+            props,
+        )
+        .await
+    }
+
+    /// Consumes every work queue on one channel. Each queue's consumer gets
+    /// an equal share of `prefetch` (rounded up), so a backlog on one queue
+    /// cannot take every slot.
+    pub async fn consume(&self, consumer_name: &str, prefetch: u16) -> Result<Consumption, AmqpError> {
+        let channel = self.conn.create_channel().await?;
+        let queues = self.topology.work_queues();
+        let share = prefetch.div_ceil(queues.len() as u16).max(1);
+        let mut consumers = Vec::with_capacity(queues.len());
+        let mut tags = Vec::with_capacity(queues.len());
+        for (i, queue) in queues.iter().enumerate() {
+            // basic.qos with global=false applies to consumers created after it.
+            channel.basic_qos(share, BasicQosOptions { global: false }).await?;
+            let tag = ShortString::from(format!("{consumer_name}.{i}"));
+            let consumer = channel
+                .basic_consume(
+                    queue.as_str().into(),
+                    tag.clone(),
+                    BasicConsumeOptions::default(),
+                    FieldTable::default(),
+                )
+                .await?;
+            consumers.push(consumer);
+            tags.push(tag);
+        }
+        Ok(Consumption {
+            deliveries: stream::select_all(consumers).boxed(),
+            control: ConsumerControl { channel, tags },
+        })
+    }
+
+    /// Messages ready in `queue` (passive declare: fails if it is missing).
+    pub async fn queue_depth(&self, queue: &str) -> Result<u32, AmqpError> {
+        let channel = self.conn.create_channel().await?;
+        let options = QueueDeclareOptions {
+            passive: true,
+            ..Default::default()
+        };
+        let result = channel
+            .queue_declare(queue.into(), options, FieldTable::default())
+            .await
+            .map(|q| q.message_count())
+            .map_err(|e| AmqpError::declare(queue, e));
+        let _ = channel.close(200, "done".into()).await;
+        result
+    }
+
+    /// Reads up to `limit` messages of `queue` without removing them: they
+    /// are fetched unacked and handed back (requeued) before returning.
+    pub async fn peek(&self, queue: &str, limit: usize) -> Result<Vec<Delivery>, AmqpError> {
+        let channel = self.conn.create_channel().await?;
+        let mut out = Vec::new();
+        while out.len() < limit {
+            match channel
+                .basic_get(queue.into(), BasicGetOptions { no_ack: false })
+                .await
+                .map_err(|e| AmqpError::declare(queue, e))?
+            {
+                Some(msg) => out.push(msg.delivery),
+                None => break,
+            }
+        }
+        if !out.is_empty() {
+            channel
+                .basic_nack(
+                    0,
+                    BasicNackOptions {
+                        multiple: true,
+                        requeue: true,
+                    },
+                )
+                .await?;
+        }
+        let _ = channel.close(200, "peeked".into()).await;
+        Ok(out)
+    }
+
+    pub async fn close(&self) {
+        let _ = self.conn.close(200, "bye".into()).await;
+    }
+}
+
+/// The deliveries of every work queue, merged, and what is needed to stop
+/// them: cancel the consumers (no new deliveries) but keep the channel open
+/// until in-flight deliveries are acked.
+pub struct Consumption {
+    pub deliveries: BoxStream<'static, Result<Delivery, lapin::Error>>,
+    pub control: ConsumerControl,
+}
+
+/// Stops the consumers of a [`Consumption`].
+pub struct ConsumerControl {
+    channel: Channel,
+    tags: Vec<ShortString>,
+}
+
+impl ConsumerControl {
+    /// Stops new deliveries; deliveries in hand can still be acked.
+    pub async fn cancel(&self) -> Result<(), AmqpError> {
+        for tag in &self.tags {
+            self.channel
+                .basic_cancel(tag.clone(), BasicCancelOptions::default())
+                .await?;
+        }
+        Ok(())
+    }
+
+    /// Closes the channel; anything still unacked returns to its queue.
+    pub async fn close(&self) {
+        let _ = self.channel.close(200, "consumer done".into()).await;
+    }
+}
+
+/// Properties of a job message: JSON, persistent.
+pub fn job_properties() -> BasicProperties {
+    BasicProperties::default()
+        .with_content_type("application/json".into())
+        .with_delivery_mode(2)
+}

@@ -1,0 +1,26 @@
+//! The pure heart of tollgate: the job model, its validation, the quota model and
+//! the per-job decision state machine (due-check → permit → provider outcome →
+//! ack / park / retry / dead-letter).
+//!
+//! Architecture invariant: this crate does no IO and never reads the wall clock.
+//! Every function that needs the time takes `now` as an argument, so the whole
+//! decision logic is tested as a state machine with injected time. Adapters
+//! (AMQP, Redis, HTTP) implement the small traits in [`ports`].
+
+pub mod backoff;
+pub mod clock;
+pub mod ids;
+pub mod job;
+pub mod outcome;
+pub mod ports;
+pub mod quota;
+pub mod run;
+pub mod tiers;
+
+pub use clock::{Clock, UnixMillis};
+pub use ids::{IdempotencyKey, JobId, Kind, TenantId};
+pub use job::{Job, Malformed, Progress};
+pub use outcome::{DeadReason, ParkReason, ProviderOutcome};
+pub use quota::{Quota, Rate};
+pub use run::{Action, Completion, JobRun, PermitDecision, Policy};
+pub use tiers::DelayTiers;

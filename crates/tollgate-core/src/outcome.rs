@@ -1,0 +1,210 @@
+//! Closed sets of outcomes and reasons, and the classification of a provider
+//! response. These enums are also metric label values, so the label sets are
+//! closed by construction.
+
+use std::time::{Duration, UNIX_EPOCH};
+
+use crate::clock::UnixMillis;
+
+/// Why a job ended in the dead-letter queue (`x-tollgate-reason`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum DeadReason {
+    Malformed,
+    Expired,
+    Rejected,
+    Exhausted,
+    Poison,
+}
+
+impl DeadReason {
+    pub const ALL: [DeadReason; 5] = [
+        Self::Malformed,
+        Self::Expired,
+        Self::Rejected,
+        Self::Exhausted,
+        Self::Poison,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Malformed => "malformed",
+            Self::Expired => "expired",
+            Self::Rejected => "rejected",
+            Self::Exhausted => "exhausted",
+            Self::Poison => "poison",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|r| r.as_str() == s)
+    }
+}
+
+/// Why a job was parked (sent to a delay tier or held in-process).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ParkReason {
+    /// `due_at` is in the future.
+    NotDue,
+    /// The tenant's quota denied a permit.
+    Quota,
+    /// Waiting before a retry (provider failure, or Redis unreachable).
+    Backoff,
+    /// The provider answered 429.
+    Throttled,
+}
+
+impl ParkReason {
+    pub const ALL: [ParkReason; 4] = [Self::NotDue, Self::Quota, Self::Backoff, Self::Throttled];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::NotDue => "not_due",
+            Self::Quota => "quota",
+            Self::Backoff => "backoff",
+            Self::Throttled => "throttled",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|r| r.as_str() == s)
+    }
+
+    /// Waits that count as intentional throttling (`quota_wait`).
+    pub fn is_quota_wait(self) -> bool {
+        matches!(self, Self::Quota | Self::Throttled)
+    }
+}
+
+/// What one provider call amounted to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ProviderOutcome {
+    /// 2xx.
+    Sent,
+    /// 429; `retry_after` from the `Retry-After` header when it was valid.
+    Throttled { retry_after: Option<Duration> },
+    /// 408, 5xx, timeout or connection error: retried with backoff.
+    Failed,
+    /// Any other 4xx (and anything else unexpected): not retried.
+    Rejected { status: u16 },
+}
+
+impl ProviderOutcome {
+    /// Label value for `tollgate_provider_requests_total{outcome}`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Sent => "sent",
+            Self::Throttled { .. } => "throttled",
+            Self::Failed => "failed",
+            Self::Rejected { .. } => "rejected",
+        }
+    }
+}
+
+/// What the HTTP adapter observed, before classification.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ProviderResponse {
+    Status {
+        status: u16,
+        retry_after: Option<String>,
+    },
+    /// No answer within the provider timeout.
+    Timeout,
+    /// Could not connect, or the connection broke.
+    Transport,
+}
+
+/// Longest `Retry-After` honoured; a provider asking for more is capped so a
+/// typo on its side cannot park a job for a year.
+pub const MAX_RETRY_AFTER: Duration = Duration::from_secs(3600);
+
+/// Classifies a provider response as DESIGN.md's decision table says.
+pub fn classify(response: &ProviderResponse, now: UnixMillis) -> ProviderOutcome {
+    match response {
+        ProviderResponse::Timeout | ProviderResponse::Transport => ProviderOutcome::Failed,
+        ProviderResponse::Status { status, retry_after } => match *status {
+            200..=299 => ProviderOutcome::Sent,
+            429 => ProviderOutcome::Throttled {
+                retry_after: retry_after.as_deref().and_then(|v| parse_retry_after(v, now)),
+            },
+            408 | 500..=599 => ProviderOutcome::Failed,
+            status => ProviderOutcome::Rejected { status },
+        },
+    }
+}
+
+/// Parses `Retry-After` as delta-seconds or an HTTP date, relative to `now`.
+pub fn parse_retry_after(value: &str, now: UnixMillis) -> Option<Duration> {
+    let value = value.trim();
+    let wait = if let Ok(secs) = value.parse::<u64>() {
+        Duration::from_secs(secs)
+    } else {
+        let at = httpdate::parse_http_date(value).ok()?;
+        let at_ms = at.duration_since(UNIX_EPOCH).ok()?.as_millis() as i64;
+        now.until(UnixMillis(at_ms))
+    };
+    Some(wait.min(MAX_RETRY_AFTER))
+}
+
+/// Formats an instant as an HTTP date (used by test providers).
+pub fn http_date(at: UnixMillis) -> String {
+    httpdate::fmt_http_date(UNIX_EPOCH + Duration::from_millis(at.0.max(0) as u64))
+}
+
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn status(status: u16) -> ProviderResponse {
+        ProviderResponse::Status {
+            status,
+            retry_after: None,
+        }
+    }
+
+    #[test]
+    fn classifies_as_the_design_says() {
+        let now = UnixMillis(0);
+        assert_eq!(classify(&status(200), now), ProviderOutcome::Sent);
+        assert_eq!(classify(&status(204), now), ProviderOutcome::Sent);
+        assert_eq!(
+            classify(&status(429), now),
+            ProviderOutcome::Throttled { retry_after: None }
+        );
+        assert_eq!(classify(&status(408), now), ProviderOutcome::Failed);
+        assert_eq!(classify(&status(500), now), ProviderOutcome::Failed);
+        assert_eq!(classify(&status(503), now), ProviderOutcome::Failed);
+        assert_eq!(classify(&ProviderResponse::Timeout, now), ProviderOutcome::Failed);
+        assert_eq!(classify(&ProviderResponse::Transport, now), ProviderOutcome::Failed);
+        assert_eq!(
+            classify(&status(400), now),
+            ProviderOutcome::Rejected { status: 400 }
+        );
+        assert_eq!(
+            classify(&status(404), now),
+            ProviderOutcome::Rejected { status: 404 }
+        );
+        assert_eq!(
+            classify(&status(302), now),
+            ProviderOutcome::Rejected { status: 302 }
+        );
+    }
+
+    #[test]
+    fn retry_after_accepts_seconds_and_http_dates() {
+        let now = UnixMillis(1_796_115_600_000);
+        assert_eq!(parse_retry_after("3", now), Some(Duration::from_secs(3)));
+        let later = now.saturating_add(Duration::from_secs(7));
+        assert_eq!(
+            parse_retry_after(&http_date(later), now),
+            Some(Duration::from_secs(7))
+        );
+        assert_eq!(parse_retry_after("soon", now), None);
+        assert_eq!(parse_retry_after("999999", now), Some(MAX_RETRY_AFTER));
+        // A date in the past means "now".
+        assert_eq!(
+            parse_retry_after(&http_date(UnixMillis(0)), now),
+            Some(Duration::ZERO)
+        );
+    }
+}

@@ -1,0 +1,570 @@
+//! The per-job decision state machine.
+//!
+//! The runtime drives one [`JobRun`] per delivery: it calls [`JobRun::next`],
+//! carries out the returned [`Action`] (sleep, publish, ask Redis, call the
+//! provider) and feeds the result back through [`JobRun::on_permit`] or
+//! [`JobRun::on_provider`]. Every method takes `now`, so tests drive the whole
+//! lifecycle with an injected clock and no sleeps.
+
+use std::time::Duration;
+
+use crate::backoff::Backoff;
+use crate::clock::UnixMillis;
+use crate::job::{Job, Progress};
+use crate::outcome::{DeadReason, ParkReason, ProviderOutcome};
+use crate::tiers::DelayTiers;
+
+/// The knobs of the decision logic, built once from config.
+#[derive(Clone, Debug)]
+pub struct Policy {
+    /// Waits up to this long are held in-process (delivery kept unacked);
+    /// longer ones go through the delay tiers.
+    pub hold_max: Duration,
+    /// Failed provider attempts (408/5xx/timeout) before `exhausted`.
+    pub max_attempts: u32,
+    pub backoff: Backoff,
+    pub tiers: DelayTiers,
+    /// Wait before asking again when the permit store cannot be reached.
+    pub unavailable_retry: Duration,
+    /// Wait after a 429 that carried no usable `Retry-After`.
+    pub default_retry_after: Duration,
+}
+
+/// The permit store's answer for one job.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PermitDecision {
+    /// A permit is reserved for `now + delay` (zero: send now). The delay is
+    /// bounded by the store's reservation horizon.
+    Granted { delay: Duration },
+    /// Over quota; ask again in `retry_in`.
+    Denied { retry_in: Duration },
+    /// The idempotency key is already recorded as sent.
+    Duplicate,
+    /// Another copy of this job holds the in-flight lease.
+    InFlight { retry_in: Duration },
+    /// The store could not be reached: fail closed, no call without a permit.
+    Unavailable,
+}
+
+/// How a job finished without a dead letter.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Completion {
+    /// The provider accepted it: record the idempotency key, then ack.
+    Sent,
+    /// Already sent earlier: ack without a call.
+    Duplicate,
+}
+
+impl Completion {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Sent => "sent",
+            Self::Duplicate => "duplicate",
+        }
+    }
+}
+
+/// What the runtime must do next.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Action {
+    /// Keep the delivery and call [`JobRun::next`] again at `until`.
+    Hold { until: UnixMillis },
+    /// Publish a copy carrying [`JobRun::progress`] to the delay tier `tier`
+    /// (confirmed), then ack the delivery.
+    Park {
+        until: UnixMillis,
+        reason: ParkReason,
+        tier: Duration,
+    },
+    /// Ask the permit store, then call [`JobRun::on_permit`].
+    AskPermit,
+    /// Call the provider, then [`JobRun::on_provider`].
+    CallProvider,
+    /// Publish to the dead-letter exchange (confirmed), then ack.
+    DeadLetter { reason: DeadReason, detail: String },
+    Complete(Completion),
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Stage {
+    /// Waiting to be due, then to get a permit.
+    Due,
+    /// Holds a permit: the next step is the provider call.
+    Granted,
+}
+
+/// One job's way through the pipeline, for one delivery.
+#[derive(Clone, Debug)]
+pub struct JobRun {
+    due_at: Option<UnixMillis>,
+    expires_at: Option<UnixMillis>,
+    progress: Progress,
+    stage: Stage,
+}
+
+impl JobRun {
+    pub fn new(job: &Job, mut progress: Progress, now: UnixMillis) -> Self {
+        progress.first_seen.get_or_insert(now);
+        Self {
+            due_at: job.due_at,
+            expires_at: job.expires_at,
+            progress,
+            stage: Stage::Due,
+        }
+    }
+
+    /// The headers a parked copy must carry.
+    pub fn progress(&self) -> &Progress {
+        &self.progress
+    }
+
+    /// The instant the job was meant to go out: `due_at`, or when tollgate
+    /// first saw it. Due lag is measured from here.
+    pub fn due_reference(&self) -> UnixMillis {
+        self.due_at
+            .or(self.progress.first_seen)
+            .expect("first_seen is set in new")
+    }
+
+    /// The attempt number of the next provider call (1-based), as sent in
+    /// `X-Tollgate-Attempt`.
+    pub fn attempt(&self) -> u32 {
+        self.progress.attempt + 1
+    }
+
+    /// The first step, and the step after every [`Action::Hold`].
+    pub fn next(&mut self, policy: &Policy, now: UnixMillis) -> Action {
+        if let Some(expired) = self.expired(now) {
+            return expired;
+        }
+        match self.stage {
+            Stage::Granted => Action::CallProvider,
+            Stage::Due => {
+                let not_before = self.progress.not_before.filter(|&t| t > now);
+                let due = self.due_at.filter(|&t| t > now);
+                match (due, not_before) {
+                    (None, None) => Action::AskPermit,
+                    (Some(due), nb) if nb.is_none_or(|nb| due >= nb) => {
+                        self.wait_action(policy, now, due, ParkReason::NotDue)
+                    }
+                    (_, Some(nb)) => {
+                        let reason = self.progress.park_reason.unwrap_or(ParkReason::Backoff);
+                        self.wait_action(policy, now, nb, reason)
+                    }
+                    (Some(_), None) => unreachable!("covered by the guard above"),
+                }
+            }
+        }
+    }
+
+    pub fn on_permit(
+        &mut self,
+        policy: &Policy,
+        decision: PermitDecision,
+        now: UnixMillis,
+    ) -> Action {
+        debug_assert_eq!(self.stage, Stage::Due, "a permit is asked for once per call");
+        match decision {
+            PermitDecision::Granted { delay } => {
+                self.stage = Stage::Granted;
+                if delay.is_zero() {
+                    Action::CallProvider
+                } else {
+                    self.progress.quota_wait += delay;
+                    Action::Hold {
+                        until: now.saturating_add(delay),
+                    }
+                }
+            }
+            PermitDecision::Denied { retry_in } => {
+                self.begin_wait(policy, now, retry_in, ParkReason::Quota)
+            }
+            PermitDecision::Duplicate => Action::Complete(Completion::Duplicate),
+            PermitDecision::InFlight { retry_in } => {
+                self.begin_wait(policy, now, retry_in, ParkReason::Backoff)
+            }
+            PermitDecision::Unavailable => {
+                self.begin_wait(policy, now, policy.unavailable_retry, ParkReason::Backoff)
+            }
+        }
+    }
+
+    /// `jitter` is uniform in [0, 1), drawn by the runtime.
+    pub fn on_provider(
+        &mut self,
+        policy: &Policy,
+        outcome: ProviderOutcome,
+        now: UnixMillis,
+        jitter: f64,
+    ) -> Action {
+        debug_assert_eq!(self.stage, Stage::Granted, "the provider is called with a permit");
+        self.stage = Stage::Due;
+        match outcome {
+            ProviderOutcome::Sent => Action::Complete(Completion::Sent),
+            ProviderOutcome::Throttled { retry_after } => {
+                let wait = retry_after.unwrap_or(policy.default_retry_after);
+                self.begin_wait(policy, now, wait, ParkReason::Throttled)
+            }
+            ProviderOutcome::Failed => {
+                self.progress.attempt += 1;
+                let failures = self.progress.attempt;
+                if failures >= policy.max_attempts {
+                    return Action::DeadLetter {
+                        reason: DeadReason::Exhausted,
+                        detail: format!("gave up after {failures} failed attempts"),
+                    };
+                }
+                let wait = policy.backoff.delay(failures, jitter);
+                self.begin_wait(policy, now, wait, ParkReason::Backoff)
+            }
+            ProviderOutcome::Rejected { status } => Action::DeadLetter {
+                reason: DeadReason::Rejected,
+                detail: format!("provider answered {status}"),
+            },
+        }
+    }
+
+    fn expired(&self, now: UnixMillis) -> Option<Action> {
+        let expires_at = self.expires_at.filter(|&t| t <= now)?;
+        Some(Action::DeadLetter {
+            reason: DeadReason::Expired,
+            detail: format!("expired at {expires_at}"),
+        })
+    }
+
+    /// Starts a new wait: remembers why, and counts it as quota wait when it
+    /// is intentional throttling.
+    fn begin_wait(
+        &mut self,
+        policy: &Policy,
+        now: UnixMillis,
+        wait: Duration,
+        reason: ParkReason,
+    ) -> Action {
+        let until = now.saturating_add(wait);
+        self.progress.not_before = Some(until);
+        self.progress.park_reason = Some(reason);
+        if reason.is_quota_wait() {
+            self.progress.quota_wait += wait;
+        }
+        if wait.is_zero() {
+            return self.next(policy, now);
+        }
+        self.wait_action(policy, now, until, reason)
+    }
+
+    /// Hold short waits in-process, park long ones in the largest tier that
+    /// does not overshoot.
+    fn wait_action(
+        &self,
+        policy: &Policy,
+        now: UnixMillis,
+        until: UnixMillis,
+        reason: ParkReason,
+    ) -> Action {
+        let remaining = now.until(until);
+        match policy.tiers.pick(remaining) {
+            Some(tier) if remaining > policy.hold_max => Action::Park {
+                until,
+                reason,
+                tier,
+            },
+            _ => Action::Hold { until },
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::job::{Limits, decode};
+    use proptest::prelude::*;
+
+    fn policy() -> Policy {
+        Policy {
+            hold_max: Duration::from_secs(1),
+            max_attempts: 3,
+            backoff: Backoff {
+                base: Duration::from_millis(500),
+                max: Duration::from_secs(60),
+            },
+            tiers: DelayTiers::new(
+                [1, 5, 30, 120, 600, 3600]
+                    .map(Duration::from_secs)
+                    .to_vec(),
+                Duration::from_secs(1),
+            )
+            .unwrap(),
+            unavailable_retry: Duration::from_secs(1),
+            default_retry_after: Duration::from_secs(1),
+        }
+    }
+
+    fn job(extra: &str) -> Job {
+        let body = format!(r#"{{"id":"j1","tenant":"acme"{extra}}}"#);
+        decode(body.as_bytes(), &Limits::default()).unwrap()
+    }
+
+    const T0: UnixMillis = UnixMillis(1_796_115_600_000); // 2026-12-01T09:00:00Z
+
+    fn at(ms: i64) -> UnixMillis {
+        UnixMillis(T0.0 + ms)
+    }
+
+    fn due_in(ms: i64) -> String {
+        format!(r#","due_at":"{}""#, at(ms).to_rfc3339())
+    }
+
+    #[test]
+    fn a_due_job_asks_for_a_permit_and_is_sent() {
+        let p = policy();
+        let mut run = JobRun::new(&job(""), Progress::default(), T0);
+        assert_eq!(run.next(&p, T0), Action::AskPermit);
+        let a = run.on_permit(&p, PermitDecision::Granted { delay: Duration::ZERO }, T0);
+        assert_eq!(a, Action::CallProvider);
+        assert_eq!(run.attempt(), 1);
+        let a = run.on_provider(&p, ProviderOutcome::Sent, T0, 0.5);
+        assert_eq!(a, Action::Complete(Completion::Sent));
+        assert_eq!(run.due_reference(), T0, "undated jobs are due when first seen");
+    }
+
+    #[test]
+    fn a_future_job_is_parked_then_held_then_sent() {
+        let p = policy();
+        let mut run = JobRun::new(&job(&due_in(3_400)), Progress::default(), T0);
+        assert_eq!(
+            run.next(&p, T0),
+            Action::Park {
+                until: at(3_400),
+                reason: ParkReason::NotDue,
+                tier: Duration::from_secs(1),
+            }
+        );
+        // Back from the 1 s tier a little late: still 2.39 s to go.
+        let a = run.next(&p, at(1_010));
+        assert!(matches!(a, Action::Park { tier, .. } if tier == Duration::from_secs(1)));
+        // Under the hold limit: held in-process until exactly due.
+        assert_eq!(run.next(&p, at(2_900)), Action::Hold { until: at(3_400) });
+        assert_eq!(run.next(&p, at(3_400)), Action::AskPermit);
+        assert_eq!(run.progress().quota_wait, Duration::ZERO, "waiting to be due is not throttling");
+    }
+
+    #[test]
+    fn a_reservation_is_held_then_sent_without_asking_again() {
+        let p = policy();
+        let mut run = JobRun::new(&job(""), Progress::default(), T0);
+        run.next(&p, T0);
+        let a = run.on_permit(
+            &p,
+            PermitDecision::Granted {
+                delay: Duration::from_millis(80),
+            },
+            T0,
+        );
+        assert_eq!(a, Action::Hold { until: at(80) });
+        assert_eq!(run.next(&p, at(80)), Action::CallProvider);
+        assert_eq!(run.progress().quota_wait, Duration::from_millis(80));
+    }
+
+    #[test]
+    fn a_denied_job_waits_for_the_returned_time_and_counts_it_as_quota_wait() {
+        let p = policy();
+        let mut run = JobRun::new(&job(""), Progress::default(), T0);
+        run.next(&p, T0);
+        let a = run.on_permit(
+            &p,
+            PermitDecision::Denied {
+                retry_in: Duration::from_millis(7_500),
+            },
+            T0,
+        );
+        assert_eq!(
+            a,
+            Action::Park {
+                until: at(7_500),
+                reason: ParkReason::Quota,
+                tier: Duration::from_secs(5),
+            }
+        );
+        assert_eq!(run.progress().quota_wait, Duration::from_millis(7_500));
+        assert_eq!(run.progress().not_before, Some(at(7_500)));
+        // The copy comes back: the wait continues under the same reason and is
+        // not counted twice.
+        let mut back = JobRun::new(&job(""), run.progress().clone(), at(5_004));
+        assert_eq!(
+            back.next(&p, at(5_004)),
+            Action::Park {
+                until: at(7_500),
+                reason: ParkReason::Quota,
+                tier: Duration::from_secs(1),
+            }
+        );
+        assert_eq!(back.progress().quota_wait, Duration::from_millis(7_500));
+        assert_eq!(back.next(&p, at(6_600)), Action::Hold { until: at(7_500) });
+        assert_eq!(back.next(&p, at(7_500)), Action::AskPermit);
+    }
+
+    #[test]
+    fn failures_back_off_then_exhaust() {
+        let p = policy();
+        let mut run = JobRun::new(&job(""), Progress::default(), T0);
+        for attempt in 1..=3 {
+            assert_eq!(run.next(&p, at(i64::from(attempt) * 100_000)), Action::AskPermit);
+            let now = at(i64::from(attempt) * 100_000);
+            run.on_permit(&p, PermitDecision::Granted { delay: Duration::ZERO }, now);
+            assert_eq!(run.attempt(), attempt);
+            let a = run.on_provider(&p, ProviderOutcome::Failed, now, 0.99);
+            if attempt < 3 {
+                let ceiling = p.backoff.ceiling(attempt);
+                match a {
+                    Action::Hold { until } | Action::Park { until, .. } => {
+                        assert!(now.until(until) <= ceiling);
+                    }
+                    other => panic!("attempt {attempt}: expected a wait, got {other:?}"),
+                }
+            } else {
+                assert_eq!(
+                    a,
+                    Action::DeadLetter {
+                        reason: DeadReason::Exhausted,
+                        detail: "gave up after 3 failed attempts".into(),
+                    }
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn a_429_waits_for_retry_after_and_burns_no_attempt() {
+        let p = policy();
+        let mut run = JobRun::new(&job(""), Progress::default(), T0);
+        run.next(&p, T0);
+        run.on_permit(&p, PermitDecision::Granted { delay: Duration::ZERO }, T0);
+        let a = run.on_provider(
+            &p,
+            ProviderOutcome::Throttled {
+                retry_after: Some(Duration::from_secs(2)),
+            },
+            T0,
+            0.5,
+        );
+        assert!(matches!(
+            a,
+            Action::Park { until, reason: ParkReason::Throttled, .. } if until == at(2_000)
+        ));
+        assert_eq!(run.attempt(), 1, "a 429 is not a failed attempt");
+        assert_eq!(run.progress().quota_wait, Duration::from_secs(2));
+    }
+
+    #[test]
+    fn rejections_and_duplicates_end_at_once() {
+        let p = policy();
+        let mut run = JobRun::new(&job(""), Progress::default(), T0);
+        run.next(&p, T0);
+        assert_eq!(
+            run.on_permit(&p, PermitDecision::Duplicate, T0),
+            Action::Complete(Completion::Duplicate)
+        );
+        let mut run = JobRun::new(&job(""), Progress::default(), T0);
+        run.next(&p, T0);
+        run.on_permit(&p, PermitDecision::Granted { delay: Duration::ZERO }, T0);
+        assert_eq!(
+            run.on_provider(&p, ProviderOutcome::Rejected { status: 422 }, T0, 0.0),
+            Action::DeadLetter {
+                reason: DeadReason::Rejected,
+                detail: "provider answered 422".into(),
+            }
+        );
+    }
+
+    #[test]
+    fn an_unreachable_permit_store_fails_closed() {
+        let p = policy();
+        let mut run = JobRun::new(&job(""), Progress::default(), T0);
+        run.next(&p, T0);
+        let a = run.on_permit(&p, PermitDecision::Unavailable, T0);
+        assert_eq!(a, Action::Hold { until: at(1_000) });
+        assert_eq!(run.next(&p, at(1_000)), Action::AskPermit, "asks again, never calls");
+    }
+
+    #[test]
+    fn expired_jobs_are_dead_lettered_before_anything_else() {
+        let p = policy();
+        let extra = format!(r#","expires_at":"{}""#, at(500).to_rfc3339());
+        let mut run = JobRun::new(&job(&extra), Progress::default(), T0);
+        assert_eq!(run.next(&p, T0), Action::AskPermit);
+        run.on_permit(
+            &p,
+            PermitDecision::Denied {
+                retry_in: Duration::from_millis(800),
+            },
+            T0,
+        );
+        assert!(matches!(
+            run.next(&p, at(800)),
+            Action::DeadLetter { reason: DeadReason::Expired, .. }
+        ));
+    }
+
+    proptest! {
+        /// Whatever the due time and however late the tiers hand jobs back,
+        /// the provider is never called before `due_at`, and the job is
+        /// called within one tier-lateness of it.
+        #[test]
+        fn never_sent_before_due(due_ms in 0i64..7_200_000, lateness_ms in 0i64..50) {
+            let p = policy();
+            let mut run = JobRun::new(&job(&due_in(due_ms)), Progress::default(), T0);
+            let mut now = T0;
+            let mut steps = 0;
+            loop {
+                steps += 1;
+                prop_assert!(steps < 200, "no progress");
+                match run.next(&p, now) {
+                    Action::Park { until, tier, .. } => {
+                        prop_assert!(now.saturating_add(tier) <= until, "a tier overshoots");
+                        now = now.saturating_add(tier + Duration::from_millis(lateness_ms as u64));
+                    }
+                    Action::Hold { until } => {
+                        prop_assert!(now.until(until) <= p.hold_max);
+                        now = until;
+                    }
+                    Action::AskPermit => break,
+                    other => prop_assert!(false, "unexpected {other:?}"),
+                }
+            }
+            prop_assert!(now >= at(due_ms));
+            prop_assert!(now.0 - at(due_ms).0 <= lateness_ms.max(1));
+        }
+
+        /// A job that always fails makes exactly `max_attempts` calls, and
+        /// throttling in between does not change that.
+        #[test]
+        fn attempts_are_bounded(throttles in proptest::collection::vec(any::<bool>(), 0..20)) {
+            let p = policy();
+            let mut run = JobRun::new(&job(""), Progress::default(), T0);
+            let (mut now, mut failed_calls, mut throttles) = (T0, 0, throttles.into_iter());
+            loop {
+                match run.next(&p, now) {
+                    Action::Hold { until } | Action::Park { until, .. } => { now = until; continue; }
+                    Action::AskPermit => {}
+                    other => prop_assert!(false, "unexpected {other:?}"),
+                }
+                prop_assert_eq!(
+                    run.on_permit(&p, PermitDecision::Granted { delay: Duration::ZERO }, now),
+                    Action::CallProvider
+                );
+                let outcome = if throttles.next().unwrap_or(false) {
+                    ProviderOutcome::Throttled { retry_after: None }
+                } else {
+                    failed_calls += 1;
+                    ProviderOutcome::Failed
+                };
+                if let Action::DeadLetter { reason, .. } = run.on_provider(&p, outcome, now, 0.5) {
+                    prop_assert_eq!(reason, DeadReason::Exhausted);
+                    break;
+                }
+            }
+            prop_assert_eq!(failed_calls, p.max_attempts);
+        }
+    }
+}

@@ -1,0 +1,368 @@
+//! Every setting in one place: a TOML file (`--config`) overridden by
+//! `TOLLGATE_*` environment variables (`TOLLGATE_AMQP_URL` sets `amqp_url`).
+//! Units are in the names; secrets live in types whose `Debug` hides them.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use figment::Figment;
+use figment::providers::{Env, Format, Serialized, Toml};
+use serde::{Deserialize, Serialize};
+use tollgate_amqp::Topology;
+use tollgate_core::backoff::Backoff;
+use tollgate_core::job::Limits;
+use tollgate_core::{DelayTiers, Policy, Quota, Rate};
+use tollgate_provider::Route;
+use tollgate_quota::{PermitSettings, RedisSettings};
+use url::Url;
+
+/// A URL that may carry a password: `Debug` and `Display` redact it.
+#[derive(Clone, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(transparent)]
+pub struct SecretUrl(String);
+
+impl SecretUrl {
+    pub fn new(url: impl Into<String>) -> Self {
+        Self(url.into())
+    }
+
+    /// The real URL, for the one call that connects with it.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+
+    pub fn redacted(&self) -> String {
+        redact_url(&self.0)
+    }
+}
+
+/// Replaces the password in a URL-like string, even one `url` cannot parse.
+pub fn redact_url(raw: &str) -> String {
+    if let Ok(mut url) = Url::parse(raw) {
+        if url.password().is_some() {
+            let _ = url.set_password(Some("REDACTED"));
+        }
+        return url.to_string();
+    }
+    match (raw.find("://"), raw.rfind('@')) {
+        (Some(scheme), Some(at)) if at > scheme => format!("{}REDACTED@{}", &raw[..scheme + 3], &raw[at + 1..]),
+        _ => raw.to_owned(),
+    }
+}
+
+impl fmt::Debug for SecretUrl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:?}", self.redacted())
+    }
+}
+
+impl fmt::Display for SecretUrl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.redacted())
+    }
+}
+
+/// A secret string; `Debug` prints nothing of it.
+#[derive(Clone, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(transparent)]
+pub struct Secret(String);
+
+impl Secret {
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Secret(REDACTED)")
+    }
+}
+
+#[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    Json,
+    Pretty,
+}
+
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Config {
+    pub amqp_url: SecretUrl,
+    pub redis_url: SecretUrl,
+    /// Names every queue, exchange and Redis key; one installation per prefix.
+    pub prefix: String,
+    /// Route for kind `default`.
+    pub provider_url: Option<SecretUrl>,
+    /// More routes: kind → URL.
+    pub routes: BTreeMap<String, SecretUrl>,
+    /// Deliveries one pod holds at once (the AMQP prefetch).
+    pub concurrency: u16,
+    /// Failed provider attempts (408/5xx/timeout) before `exhausted`.
+    pub max_attempts: u32,
+    pub http_addr: SocketAddr,
+    pub admin_token: Option<Secret>,
+    pub log_format: LogFormat,
+    pub provider_timeout_ms: u64,
+    pub backoff_base_ms: u64,
+    pub backoff_max_ms: u64,
+    /// Waits up to this long are held in-process; longer ones are parked.
+    pub hold_max_ms: u64,
+    /// How far ahead a permit may be reserved (held in-process until then).
+    pub permit_horizon_ms: u64,
+    /// Number of work queues tenants are hashed over.
+    pub shards: u16,
+    pub delay_tiers_ms: Vec<u64>,
+    /// Deliveries of one message before RabbitMQ dead-letters it as poison.
+    pub delivery_limit: u32,
+    /// How long a sent idempotency key is remembered.
+    pub sent_ttl_s: u64,
+    /// Quota for tenants with none stored. Never unlimited.
+    pub default_rate: String,
+    pub default_burst: u32,
+    pub max_body_bytes: usize,
+    pub max_json_depth: usize,
+    /// Tenants reported by name in metrics; the rest are `other`.
+    pub tenant_label_limit: usize,
+    pub tenant_label_allowlist: Vec<String>,
+    pub redis_timeout_ms: u64,
+    /// SIGTERM → stop consuming, finish in-flight work, exit within this.
+    pub shutdown_grace_ms: u64,
+    /// Connection and consumer name; defaults to the host name.
+    pub name: Option<String>,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            amqp_url: SecretUrl::new("amqp://guest:guest@127.0.0.1:5672/%2f"),
+            redis_url: SecretUrl::new("redis://127.0.0.1:6379"),
+            prefix: "tollgate".into(),
+            provider_url: None,
+            routes: BTreeMap::new(),
+            concurrency: 64,
+            max_attempts: 8,
+            http_addr: ([0, 0, 0, 0], 9090).into(),
+            admin_token: None,
+            log_format: LogFormat::Pretty,
+            provider_timeout_ms: 10_000,
+            backoff_base_ms: 1_000,
+            backoff_max_ms: 300_000,
+            hold_max_ms: 1_000,
+            permit_horizon_ms: 250,
+            shards: 4,
+            delay_tiers_ms: vec![1_000, 5_000, 30_000, 120_000, 600_000, 3_600_000],
+            delivery_limit: 5,
+            sent_ttl_s: 7 * 24 * 3600,
+            default_rate: "10/s".into(),
+            default_burst: 1,
+            max_body_bytes: 256 * 1024,
+            max_json_depth: 32,
+            tenant_label_limit: 50,
+            tenant_label_allowlist: Vec::new(),
+            redis_timeout_ms: 1_000,
+            shutdown_grace_ms: 25_000,
+            name: None,
+        }
+    }
+}
+
+impl Config {
+    /// Defaults, then the TOML file (if given), then `TOLLGATE_*` env vars.
+    pub fn load(file: Option<&Path>) -> anyhow::Result<Self> {
+        let mut figment = Figment::from(Serialized::defaults(Config::default()));
+        if let Some(path) = file {
+            if !path.exists() {
+                bail!("config file {} does not exist", path.display());
+            }
+            figment = figment.merge(Toml::file(path));
+        }
+        let config: Config = figment
+            .merge(Env::prefixed("TOLLGATE_").ignore(&["config"]))
+            .extract()
+            .context("reading configuration")?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    pub fn validate(&self) -> anyhow::Result<()> {
+        if self.prefix.is_empty()
+            || !self
+                .prefix
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+        {
+            bail!("prefix {:?} must be non-empty [A-Za-z0-9._-]", self.prefix);
+        }
+        if self.concurrency == 0 {
+            bail!("concurrency must be at least 1");
+        }
+        if self.max_attempts == 0 {
+            bail!("max_attempts must be at least 1");
+        }
+        if self.shards == 0 {
+            bail!("shards must be at least 1");
+        }
+        if self.permit_horizon_ms > self.hold_max_ms {
+            bail!(
+                "permit_horizon_ms ({}) must not exceed hold_max_ms ({}): a reserved job is held in-process",
+                self.permit_horizon_ms,
+                self.hold_max_ms
+            );
+        }
+        self.policy()?;
+        self.default_quota()?;
+        self.routes()?;
+        Ok(())
+    }
+
+    pub fn tiers(&self) -> anyhow::Result<DelayTiers> {
+        DelayTiers::new(
+            self.delay_tiers_ms.iter().map(|&ms| Duration::from_millis(ms)).collect(),
+            Duration::from_millis(self.hold_max_ms),
+        )
+        .context("delay_tiers_ms")
+    }
+
+    pub fn policy(&self) -> anyhow::Result<Policy> {
+        Ok(Policy {
+            hold_max: Duration::from_millis(self.hold_max_ms),
+            max_attempts: self.max_attempts,
+            backoff: Backoff {
+                base: Duration::from_millis(self.backoff_base_ms),
+                max: Duration::from_millis(self.backoff_max_ms),
+            },
+            tiers: self.tiers()?,
+            unavailable_retry: Duration::from_secs(1),
+            default_retry_after: Duration::from_secs(1),
+        })
+    }
+
+    pub fn limits(&self) -> Limits {
+        Limits {
+            max_body_bytes: self.max_body_bytes,
+            max_depth: self.max_json_depth,
+        }
+    }
+
+    pub fn default_quota(&self) -> anyhow::Result<Quota> {
+        let rate: Rate = self.default_rate.parse().context("default_rate")?;
+        Quota::new(rate, self.default_burst).context("default_burst")
+    }
+
+    pub fn topology(&self) -> anyhow::Result<Topology> {
+        Ok(Topology::new(&self.prefix, self.shards, &self.tiers()?, self.delivery_limit))
+    }
+
+    pub fn permit_settings(&self) -> anyhow::Result<PermitSettings> {
+        Ok(PermitSettings {
+            default_quota: self.default_quota()?,
+            horizon: Duration::from_millis(self.permit_horizon_ms),
+            lease_ttl: Duration::from_millis(self.provider_timeout_ms) + Duration::from_secs(5),
+            sent_ttl: Duration::from_secs(self.sent_ttl_s),
+        })
+    }
+
+    pub fn redis_settings(&self) -> RedisSettings {
+        RedisSettings {
+            url: self.redis_url.expose().to_owned(),
+            response_timeout: Duration::from_millis(self.redis_timeout_ms),
+            connect_timeout: Duration::from_millis(self.redis_timeout_ms.max(1_000)),
+        }
+    }
+
+    /// Provider routes: `provider_url` as kind `default`, plus `routes`.
+    pub fn routes(&self) -> anyhow::Result<Vec<Route>> {
+        let mut all: BTreeMap<&str, &SecretUrl> =
+            self.routes.iter().map(|(k, v)| (k.as_str(), v)).collect();
+        if let Some(url) = &self.provider_url {
+            all.insert("default", url);
+        }
+        all.into_iter()
+            .map(|(kind, url)| {
+                tollgate_core::Kind::parse(kind).with_context(|| format!("route kind {kind:?}"))?;
+                let parsed = Url::parse(url.expose())
+                    .with_context(|| format!("route {kind:?}: {} is not a URL", url.redacted()))?;
+                Route::new(kind, parsed).map_err(Into::into)
+            })
+            .collect()
+    }
+
+    pub fn name(&self) -> String {
+        self.name.clone().unwrap_or_else(|| {
+            std::env::var("HOSTNAME")
+                .ok()
+                .filter(|h| !h.is_empty())
+                .unwrap_or_else(|| format!("tollgate-{}", std::process::id()))
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn env_overrides_file_overrides_defaults() {
+        figment::Jail::expect_with(|jail| {
+            jail.create_file(
+                "tollgate.toml",
+                r#"
+                prefix = "from-file"
+                concurrency = 8
+                [routes]
+                sms = "http://sms.internal/send"
+                "#,
+            )?;
+            jail.set_env("TOLLGATE_CONCURRENCY", "16");
+            jail.set_env("TOLLGATE_PROVIDER_URL", "http://user:pw@provider.internal/send");
+            let config = Config::load(Some(Path::new("tollgate.toml"))).expect("loads");
+            assert_eq!(config.prefix, "from-file");
+            assert_eq!(config.concurrency, 16);
+            let routes = config.routes().unwrap();
+            let kinds: Vec<_> = routes.iter().map(|r| r.kind.as_str()).collect();
+            assert_eq!(kinds, ["default", "sms"]);
+            Ok(())
+        });
+    }
+
+    #[test]
+    fn debug_output_never_shows_passwords() {
+        let config = Config {
+            amqp_url: SecretUrl::new("amqp://guest:canary-amqp@rabbit:5672/%2f"),
+            redis_url: SecretUrl::new("redis://:canary-redis@redis:6379"),
+            admin_token: Some(Secret("canary-token".into())),
+            ..Config::default()
+        };
+        let shown = format!("{config:?}");
+        for canary in ["canary-amqp", "canary-redis", "canary-token"] {
+            assert!(!shown.contains(canary), "{canary} leaked: {shown}");
+        }
+        assert!(shown.contains("REDACTED"));
+        assert_eq!(redact_url("amqp://u:p@[bad"), "amqp://REDACTED@[bad");
+    }
+
+    #[test]
+    fn rejects_inconsistent_settings() {
+        let bad = Config {
+            permit_horizon_ms: 2_000,
+            ..Config::default()
+        };
+        assert!(bad.validate().unwrap_err().to_string().contains("permit_horizon_ms"));
+        let bad = Config {
+            default_rate: "lots".into(),
+            ..Config::default()
+        };
+        assert!(format!("{:#}", bad.validate().unwrap_err()).contains("default_rate"));
+        let bad = Config {
+            delay_tiers_ms: vec![5_000],
+            ..Config::default()
+        };
+        assert!(format!("{:#}", bad.validate().unwrap_err()).contains("hold limit"));
+    }
+}

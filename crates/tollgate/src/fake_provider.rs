@@ -1,0 +1,200 @@
+//! A local HTTP provider for the demo and the tests: it records every request
+//! it receives and answers through a pluggable behaviour, such as a strict
+//! per-tenant rate limit that returns 429 like a real provider would.
+
+use std::collections::{HashMap, VecDeque};
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use tokio::sync::oneshot;
+use tollgate_core::{Clock, UnixMillis};
+
+use crate::system_clock::SystemClock;
+
+/// One request as the provider saw it.
+#[derive(Clone, Debug)]
+pub struct Received {
+    pub at: UnixMillis,
+    pub instant: Instant,
+    pub tenant: String,
+    pub job_id: String,
+    pub idempotency_key: String,
+    pub attempt: u32,
+    pub body: String,
+    /// The status the behaviour answered.
+    pub status: u16,
+}
+
+/// What to answer.
+#[derive(Clone, Debug)]
+pub struct Reply {
+    pub status: u16,
+    pub retry_after: Option<String>,
+    /// Wait this long before answering (to provoke timeouts).
+    pub delay: Duration,
+}
+
+impl Reply {
+    pub fn status(status: u16) -> Self {
+        Self {
+            status,
+            retry_after: None,
+            delay: Duration::ZERO,
+        }
+    }
+
+    pub fn ok() -> Self {
+        Self::status(200)
+    }
+}
+
+/// Decides the reply to each request. Gets the request and how many earlier
+/// requests carried the same idempotency key.
+pub type Behavior = Arc<dyn Fn(&Received, usize) -> Reply + Send + Sync>;
+
+/// Accepts everything.
+pub fn always_ok() -> Behavior {
+    Arc::new(|_, _| Reply::ok())
+}
+
+/// A provider that enforces its own per-tenant limit: at most `limit`
+/// accepted requests in any sliding 1 s window, else 429 with
+/// `Retry-After: 1`. Tenants not listed are unlimited.
+pub fn strict_limits(limits: HashMap<String, u32>) -> Behavior {
+    let windows: Mutex<HashMap<String, VecDeque<Instant>>> = Mutex::new(HashMap::new());
+    Arc::new(move |req, _| {
+        let Some(&limit) = limits.get(&req.tenant) else {
+            return Reply::ok();
+        };
+        let mut windows = windows.lock().expect("not poisoned");
+        let window = windows.entry(req.tenant.clone()).or_default();
+        while window
+            .front()
+            .is_some_and(|&t| req.instant.duration_since(t) >= Duration::from_secs(1))
+        {
+            window.pop_front();
+        }
+        if window.len() >= limit as usize {
+            return Reply {
+                status: 429,
+                retry_after: Some("1".into()),
+                delay: Duration::ZERO,
+            };
+        }
+        window.push_back(req.instant);
+        Reply::ok()
+    })
+}
+
+struct Shared {
+    behavior: Behavior,
+    log: Mutex<Vec<Received>>,
+    seen: Mutex<HashMap<String, usize>>,
+}
+
+pub struct FakeProvider {
+    addr: SocketAddr,
+    shared: Arc<Shared>,
+    stop: Option<oneshot::Sender<()>>,
+}
+
+impl FakeProvider {
+    /// Serves on 127.0.0.1 on a free port.
+    pub async fn start(behavior: Behavior) -> anyhow::Result<Self> {
+        let shared = Arc::new(Shared {
+            behavior,
+            log: Mutex::new(Vec::new()),
+            seen: Mutex::new(HashMap::new()),
+        });
+        let app = Router::new()
+            .route("/send", post(handle))
+            .with_state(Arc::clone(&shared));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?;
+        let (stop, stopped) = oneshot::channel::<()>();
+        tokio::spawn(async move {
+            let _ = axum::serve(listener, app)
+                .with_graceful_shutdown(async {
+                    let _ = stopped.await;
+                })
+                .await;
+        });
+        Ok(Self {
+            addr,
+            shared,
+            stop: Some(stop),
+        })
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}/send", self.addr)
+    }
+
+    /// Every request so far, in arrival order.
+    pub fn received(&self) -> Vec<Received> {
+        self.shared.log.lock().expect("not poisoned").clone()
+    }
+
+    /// Requests answered 2xx so far.
+    pub fn accepted(&self) -> usize {
+        self.shared
+            .log
+            .lock()
+            .expect("not poisoned")
+            .iter()
+            .filter(|r| (200..300).contains(&r.status))
+            .count()
+    }
+}
+
+impl Drop for FakeProvider {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+    }
+}
+
+fn header(headers: &HeaderMap, name: &str) -> String {
+    headers
+        .get(name)
+        .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned())
+        .unwrap_or_default()
+}
+
+async fn handle(State(shared): State<Arc<Shared>>, headers: HeaderMap, body: Bytes) -> Response {
+    let mut received = Received {
+        at: SystemClock.now(),
+        instant: Instant::now(),
+        tenant: header(&headers, "x-tollgate-tenant"),
+        job_id: header(&headers, "x-tollgate-job-id"),
+        idempotency_key: header(&headers, "idempotency-key"),
+        attempt: header(&headers, "x-tollgate-attempt").parse().unwrap_or(0),
+        body: String::from_utf8_lossy(&body).into_owned(),
+        status: 0,
+    };
+    let earlier = {
+        let mut seen = shared.seen.lock().expect("not poisoned");
+        let n = seen.entry(received.idempotency_key.clone()).or_insert(0);
+        *n += 1;
+        *n - 1
+    };
+    let reply = (shared.behavior)(&received, earlier);
+    received.status = reply.status;
+    shared.log.lock().expect("not poisoned").push(received);
+    if !reply.delay.is_zero() {
+        tokio::time::sleep(reply.delay).await;
+    }
+    let status = StatusCode::from_u16(reply.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    match reply.retry_after {
+        Some(after) => (status, [("retry-after", after)]).into_response(),
+        None => status.into_response(),
+    }
+}

@@ -1,0 +1,84 @@
+//! The `tollgate` binary: parse arguments, load config, run the verb, map
+//! failure to an exit code (64 for bad configuration or usage, 1 otherwise).
+
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use clap::Parser;
+use tollgate::cli::{self, Cli, Command};
+use tollgate::config::Config;
+use tollgate::{LiveWorker, Metrics, http, logging};
+
+const EXIT_CONFIG: u8 = 64;
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let args = Cli::parse();
+    let config = match Config::load(args.config.as_deref()) {
+        Ok(config) => config,
+        Err(e) => {
+            eprintln!("tollgate: bad configuration: {e:#}");
+            return ExitCode::from(EXIT_CONFIG);
+        }
+    };
+    let default_level = match args.command {
+        Command::Worker => "info",
+        _ => "warn",
+    };
+    logging::init(config.log_format, default_level);
+    match run(args.command, config).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("tollgate: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(command: Command, config: Config) -> anyhow::Result<()> {
+    match command {
+        Command::Worker => worker(config).await,
+        Command::Publish(args) => cli::publish(&config, &args).await,
+        Command::Quota(cmd) => cli::quota(&config, &cmd).await,
+        Command::Topology(cmd) => cli::topology(&config, &cmd).await,
+        Command::Dlq(cmd) => cli::dlq(&config, &cmd).await,
+        Command::Demo(args) => tollgate::demo::run(&config, &args).await,
+    }
+}
+
+async fn worker(config: Config) -> anyhow::Result<()> {
+    if config.routes()?.is_empty() {
+        anyhow::bail!("no provider route: set TOLLGATE_PROVIDER_URL (or [routes] in the config file)");
+    }
+    let metrics = Metrics::new(config.tenant_label_limit, &config.tenant_label_allowlist);
+    let worker = Arc::new(LiveWorker::connect(&config, metrics.clone()).await?);
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let router = http::router(metrics, worker.clone());
+    let mut http_stop = stop_rx.clone();
+    let (addr, server) = http::serve(config.http_addr, router, async move {
+        let _ = http_stop.wait_for(|&stop| stop).await;
+    })
+    .await?;
+    tracing::info!(%addr, "serving /metrics, /healthz, /readyz");
+    let result = worker.run(shutdown_signal()).await;
+    let _ = stop_tx.send(true);
+    let _ = server.await;
+    result
+}
+
+/// Resolves on SIGTERM (Kubernetes) or SIGINT (Ctrl-C).
+async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .expect("installing the SIGTERM handler");
+        tokio::select! {
+            _ = ctrl_c => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = ctrl_c.await;
+    tracing::info!("shutdown requested");
+}

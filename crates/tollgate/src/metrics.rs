@@ -1,0 +1,291 @@
+//! The metrics operators watch (DESIGN.md, "Metrics"). Label values come from
+//! closed enums or from the bounded tenant label; no job id, key or payload is
+//! ever a label.
+
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use prometheus::{
+    Encoder, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
+    Registry, TextEncoder,
+};
+use tollgate_core::{Completion, DeadReason, ParkReason, PermitDecision, ProviderOutcome};
+
+/// Milliseconds to a day, with the SLO thresholds 0.1 s, 1 s and 60 s on
+/// bucket boundaries (due lag can be hours when a queue backs up).
+pub const WAIT_BUCKETS: &[f64] = &[
+    0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0,
+    900.0, 1800.0, 3600.0, 7200.0, 21600.0, 86400.0,
+];
+
+/// Provider latency: a few milliseconds to the longest sensible timeout.
+pub const LATENCY_BUCKETS: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+];
+
+/// Label value for a message whose tenant could not be read.
+pub const UNKNOWN_TENANT: &str = "unknown";
+/// Label value for tenants beyond the allowlist / first-N.
+pub const OTHER_TENANT: &str = "other";
+
+/// Bounds the tenant label: allowlisted tenants and the first `limit`
+/// distinct tenants seen are reported by name, the rest as `other`.
+struct TenantLabels {
+    allow: HashSet<String>,
+    limit: usize,
+    seen: Mutex<HashSet<String>>,
+    overflow: IntCounter,
+}
+
+impl TenantLabels {
+    fn label(&self, tenant: &str) -> String {
+        if self.allow.contains(tenant) {
+            return tenant.to_owned();
+        }
+        let mut seen = self.seen.lock().expect("not poisoned");
+        if seen.contains(tenant) {
+            return tenant.to_owned();
+        }
+        if seen.len() < self.limit {
+            seen.insert(tenant.to_owned());
+            return tenant.to_owned();
+        }
+        self.overflow.inc();
+        OTHER_TENANT.to_owned()
+    }
+}
+
+pub fn permit_label(decision: &PermitDecision) -> &'static str {
+    match decision {
+        PermitDecision::Granted { .. } => "allowed",
+        PermitDecision::Denied { .. } => "denied",
+        PermitDecision::Duplicate => "duplicate",
+        PermitDecision::InFlight { .. } => "in_flight",
+        PermitDecision::Unavailable => "unavailable",
+    }
+}
+
+struct Inner {
+    registry: Registry,
+    tenants: TenantLabels,
+    queue_age: HistogramVec,
+    due_lag: HistogramVec,
+    quota_wait: HistogramVec,
+    permit_decisions: IntCounterVec,
+    provider_requests: IntCounterVec,
+    provider_duration: HistogramVec,
+    jobs_completed: IntCounterVec,
+    parked: IntCounterVec,
+    dead_letters: IntCounterVec,
+    in_flight: IntGauge,
+}
+
+/// Cheap to clone; every worker task records through the same handle.
+#[derive(Clone)]
+pub struct Metrics(Arc<Inner>);
+
+fn histogram(registry: &Registry, name: &str, help: &str, labels: &[&str], buckets: &[f64]) -> HistogramVec {
+    let h = HistogramVec::new(HistogramOpts::new(name, help).buckets(buckets.to_vec()), labels)
+        .expect("valid histogram");
+    registry.register(Box::new(h.clone())).expect("registered once");
+    h
+}
+
+fn counter(registry: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
+    let c = IntCounterVec::new(Opts::new(name, help), labels).expect("valid counter");
+    registry.register(Box::new(c.clone())).expect("registered once");
+    c
+}
+
+impl Metrics {
+    pub fn new(tenant_limit: usize, allowlist: &[String]) -> Self {
+        let registry = Registry::new();
+        let overflow = IntCounter::new(
+            "tollgate_tenant_label_overflow_total",
+            "Times a tenant beyond the label allowlist and first-N limit was reported as `other`.",
+        )
+        .expect("valid counter");
+        registry.register(Box::new(overflow.clone())).expect("registered once");
+        let in_flight = IntGauge::new(
+            "tollgate_jobs_in_flight",
+            "Deliveries this pod holds right now (being processed or held until due).",
+        )
+        .expect("valid gauge");
+        registry.register(Box::new(in_flight.clone())).expect("registered once");
+        let build_info = IntGaugeVec::new(
+            Opts::new("tollgate_build_info", "Always 1; the labels say which build is running."),
+            &["version"],
+        )
+        .expect("valid gauge");
+        registry.register(Box::new(build_info.clone())).expect("registered once");
+        build_info.with_label_values(&[env!("CARGO_PKG_VERSION")]).set(1);
+
+        let r = &registry;
+        let inner = Inner {
+            tenants: TenantLabels {
+                allow: allowlist.iter().cloned().collect(),
+                limit: tenant_limit,
+                seen: Mutex::new(HashSet::new()),
+                overflow,
+            },
+            queue_age: histogram(r, "tollgate_queue_age_seconds",
+                "How long a delivery waited in its work queue before this pod received it.",
+                &["tenant"], WAIT_BUCKETS),
+            due_lag: histogram(r, "tollgate_due_lag_seconds",
+                "How late after its due time (due_at, or when first seen) a job's first provider call started.",
+                &["tenant"], WAIT_BUCKETS),
+            quota_wait: histogram(r, "tollgate_quota_wait_seconds",
+                "Intentional throttling a job went through (quota denials, reservations, 429 waits), recorded at its final outcome.",
+                &["tenant"], WAIT_BUCKETS),
+            permit_decisions: counter(r, "tollgate_permit_decisions_total",
+                "Permit decisions made in Redis, by tenant and decision.",
+                &["tenant", "decision"]),
+            provider_requests: counter(r, "tollgate_provider_requests_total",
+                "Provider calls by tenant, route and classified outcome (sent, throttled, failed, rejected).",
+                &["tenant", "route", "outcome"]),
+            provider_duration: histogram(r, "tollgate_provider_request_duration_seconds",
+                "Provider call latency by route and outcome.",
+                &["route", "outcome"], LATENCY_BUCKETS),
+            jobs_completed: counter(r, "tollgate_jobs_completed_total",
+                "Jobs that reached a final outcome (sent, duplicate, dead_lettered), by tenant.",
+                &["tenant", "outcome"]),
+            parked: counter(r, "tollgate_parked_total",
+                "Jobs parked in a delay tier, by reason (not_due, quota, backoff, throttled).",
+                &["reason"]),
+            dead_letters: counter(r, "tollgate_dead_letters_total",
+                "Jobs published to the dead-letter queue, by tenant and reason.",
+                &["tenant", "reason"]),
+            in_flight,
+            registry,
+        };
+        Self(Arc::new(inner))
+    }
+
+    /// The Prometheus text exposition of every metric.
+    pub fn render(&self) -> String {
+        let mut out = Vec::new();
+        TextEncoder::new()
+            .encode(&self.0.registry.gather(), &mut out)
+            .expect("encoding to a Vec cannot fail");
+        String::from_utf8(out).expect("the text format is UTF-8")
+    }
+
+    pub fn registry(&self) -> &Registry {
+        &self.0.registry
+    }
+
+    pub fn tenant(&self, tenant: &str) -> String {
+        self.0.tenants.label(tenant)
+    }
+
+    pub fn queue_age(&self, tenant: &str, age: Duration) {
+        self.0.queue_age.with_label_values(&[tenant]).observe(age.as_secs_f64());
+    }
+
+    pub fn due_lag(&self, tenant: &str, lag: Duration) {
+        self.0.due_lag.with_label_values(&[tenant]).observe(lag.as_secs_f64());
+    }
+
+    pub fn permit(&self, tenant: &str, decision: &PermitDecision) {
+        self.0
+            .permit_decisions
+            .with_label_values(&[tenant, permit_label(decision)])
+            .inc();
+    }
+
+    pub fn provider(&self, tenant: &str, route: &str, outcome: ProviderOutcome, took: Duration) {
+        let outcome = outcome.as_str();
+        self.0.provider_requests.with_label_values(&[tenant, route, outcome]).inc();
+        self.0
+            .provider_duration
+            .with_label_values(&[route, outcome])
+            .observe(took.as_secs_f64());
+    }
+
+    pub fn parked(&self, reason: ParkReason) {
+        self.0.parked.with_label_values(&[reason.as_str()]).inc();
+    }
+
+    /// A final outcome: counts it and records the job's quota wait.
+    pub fn completed(&self, tenant: &str, completion: Completion, quota_wait: Duration) {
+        self.0.jobs_completed.with_label_values(&[tenant, completion.as_str()]).inc();
+        self.0.quota_wait.with_label_values(&[tenant]).observe(quota_wait.as_secs_f64());
+    }
+
+    pub fn dead_lettered(&self, tenant: &str, reason: DeadReason, quota_wait: Duration) {
+        self.0.dead_letters.with_label_values(&[tenant, reason.as_str()]).inc();
+        self.0.jobs_completed.with_label_values(&[tenant, "dead_lettered"]).inc();
+        self.0.quota_wait.with_label_values(&[tenant]).observe(quota_wait.as_secs_f64());
+    }
+
+    pub fn in_flight(&self) -> &IntGauge {
+        &self.0.in_flight
+    }
+
+    /// Sum of a counter over every label set matching `labels` (demo, tests).
+    pub fn counter_sum(&self, name: &str, labels: &[(&str, &str)]) -> f64 {
+        self.0
+            .registry
+            .gather()
+            .iter()
+            .filter(|family| family.name() == name)
+            .flat_map(|family| family.get_metric())
+            .filter(|m| {
+                labels.iter().all(|(k, v)| {
+                    m.get_label().iter().any(|l| l.name() == *k && l.value() == *v)
+                })
+            })
+            .map(|m| m.get_counter().get_value())
+            .sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tenant_labels_are_bounded() {
+        let metrics = Metrics::new(2, &["vip".to_owned()]);
+        assert_eq!(metrics.tenant("a"), "a");
+        assert_eq!(metrics.tenant("b"), "b");
+        assert_eq!(metrics.tenant("c"), OTHER_TENANT);
+        assert_eq!(metrics.tenant("a"), "a", "seen tenants keep their label");
+        assert_eq!(metrics.tenant("vip"), "vip", "allowlisted tenants do not use a slot");
+        assert!(metrics.render().contains("tollgate_tenant_label_overflow_total 1"));
+    }
+
+    #[test]
+    fn renders_every_family_with_help() {
+        let metrics = Metrics::new(50, &[]);
+        metrics.queue_age("acme", Duration::from_millis(20));
+        metrics.due_lag("acme", Duration::from_millis(20));
+        metrics.permit("acme", &PermitDecision::Duplicate);
+        metrics.provider("acme", "default", ProviderOutcome::Sent, Duration::from_millis(3));
+        metrics.parked(ParkReason::Quota);
+        metrics.completed("acme", Completion::Sent, Duration::ZERO);
+        metrics.dead_lettered("acme", DeadReason::Rejected, Duration::ZERO);
+        let text = metrics.render();
+        for name in [
+            "tollgate_queue_age_seconds",
+            "tollgate_due_lag_seconds",
+            "tollgate_quota_wait_seconds",
+            "tollgate_permit_decisions_total",
+            "tollgate_provider_requests_total",
+            "tollgate_provider_request_duration_seconds",
+            "tollgate_jobs_completed_total",
+            "tollgate_parked_total",
+            "tollgate_dead_letters_total",
+            "tollgate_jobs_in_flight",
+            "tollgate_build_info",
+        ] {
+            assert!(text.contains(&format!("# HELP {name} ")), "{name} missing");
+        }
+        assert!(text.contains(r#"tollgate_due_lag_seconds_bucket{tenant="acme",le="0.1"} 1"#));
+        assert_eq!(
+            metrics.counter_sum("tollgate_jobs_completed_total", &[("tenant", "acme")]),
+            2.0
+        );
+    }
+}

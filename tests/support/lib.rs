@@ -1,0 +1,233 @@
+//! Shared test support: every test gets its own random prefix (queues,
+//! exchanges, Redis keys), in-process workers on the real RabbitMQ and
+//! Redis, and a local provider on port 0. `TEST_LOG=1` turns logs on.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+use tollgate::cli::{self, DeadLetter};
+use tollgate::config::{Config, LogFormat, SecretUrl};
+use tollgate::{LiveWorker, Metrics};
+use tollgate_amqp::lapin::BasicProperties;
+use tollgate_amqp::{Broker, job_properties};
+use tollgate_core::{Job, Quota, TenantId, UnixMillis};
+use tollgate_quota::QuotaStore;
+
+pub use tollgate::fake_provider::{self, FakeProvider, Received, Reply};
+
+pub fn init_logs() {
+    if std::env::var_os("TEST_LOG").is_some() {
+        tollgate::logging::init(LogFormat::Pretty, "info");
+    }
+}
+
+/// One test's private installation of tollgate.
+pub struct TestEnv {
+    pub config: Config,
+    pub broker: Broker,
+    pub quotas: QuotaStore,
+    cleaned: bool,
+}
+
+/// A worker running in this process, with its own connections.
+pub struct WorkerHandle {
+    pub metrics: Metrics,
+    pub worker: Arc<LiveWorker>,
+    stop: watch::Sender<bool>,
+    task: JoinHandle<anyhow::Result<()>>,
+}
+
+impl WorkerHandle {
+    pub fn is_running(&self) -> bool {
+        !self.task.is_finished()
+    }
+
+    /// Graceful stop; returns the worker's result.
+    pub async fn stop(self) -> anyhow::Result<()> {
+        let _ = self.stop.send(true);
+        self.task.await?
+    }
+}
+
+impl TestEnv {
+    /// A fresh prefix with its topology declared. Settings are sized for
+    /// tests: short backoff, few attempts, two shards.
+    pub async fn new(provider_url: &str) -> Self {
+        init_logs();
+        let prefix = format!("tgtest-{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
+        let config = Config {
+            prefix,
+            provider_url: Some(SecretUrl::new(provider_url)),
+            http_addr: ([127, 0, 0, 1], 0).into(),
+            concurrency: 32,
+            shards: 2,
+            max_attempts: 3,
+            backoff_base_ms: 100,
+            backoff_max_ms: 400,
+            provider_timeout_ms: 2_000,
+            shutdown_grace_ms: 5_000,
+            // Connection URLs still come from TOLLGATE_AMQP_URL / TOLLGATE_REDIS_URL.
+            ..Config::load(None).expect("TOLLGATE_* environment is valid")
+        };
+        config.validate().expect("test config is valid");
+        let broker = cli::connect_broker(&config, "test")
+            .await
+            .expect("RabbitMQ is reachable (run `make services`)");
+        broker.declare_topology().await.expect("topology declares");
+        let quotas = cli::quota_store(&config).expect("redis config");
+        Self {
+            config,
+            broker,
+            quotas,
+            cleaned: false,
+        }
+    }
+
+    pub fn tenant(name: &str) -> TenantId {
+        TenantId::parse(name).expect("valid tenant")
+    }
+
+    pub async fn set_quota(&self, tenant: &str, rate: &str, burst: u32) {
+        let quota = Quota::new(rate.parse().expect("valid rate"), burst).expect("valid quota");
+        self.quotas
+            .set(&Self::tenant(tenant), quota, "test")
+            .await
+            .expect("quota set");
+    }
+
+    /// Starts a worker with this env's config, adjusted by `tweak`.
+    pub async fn spawn_worker_with(&self, tweak: impl FnOnce(&mut Config)) -> WorkerHandle {
+        let mut config = self.config.clone();
+        tweak(&mut config);
+        let metrics = Metrics::new(50, &[]);
+        let worker = Arc::new(
+            LiveWorker::connect(&config, metrics.clone())
+                .await
+                .expect("worker connects"),
+        );
+        let (stop, mut stopped) = watch::channel(false);
+        let task = tokio::spawn(Arc::clone(&worker).run(async move {
+            let _ = stopped.wait_for(|&s| s).await;
+        }));
+        WorkerHandle {
+            metrics,
+            worker,
+            stop,
+            task,
+        }
+    }
+
+    pub async fn spawn_worker(&self) -> WorkerHandle {
+        self.spawn_worker_with(|_| {}).await
+    }
+
+    /// Publishes `count` jobs for `tenant` through the same path as
+    /// `tollgate publish`; returns them.
+    pub async fn publish(&self, tenant: &str, count: u32, tweak: impl Fn(&mut cli::PublishArgs)) -> Vec<Job> {
+        let mut args = cli::PublishArgs {
+            tenant: tenant.into(),
+            kind: "default".into(),
+            due_in: None,
+            due_at: None,
+            expires_in: None,
+            count,
+            payload: "{}".into(),
+            id: None,
+            idempotency_key: None,
+        };
+        tweak(&mut args);
+        let now = now();
+        let jobs = cli::build_jobs(&args, now).expect("valid publish args");
+        cli::publish_jobs(&self.broker, &jobs, now).await.expect("published");
+        jobs
+    }
+
+    /// Publishes an arbitrary body, as a careless producer might.
+    pub async fn publish_raw(&self, routing_key: &str, body: &[u8]) {
+        self.publish_raw_with(routing_key, body, job_properties()).await;
+    }
+
+    pub async fn publish_raw_with(&self, routing_key: &str, body: &[u8], props: BasicProperties) {
+        self.broker
+            .publish(&self.broker.topology().jobs_exchange(), routing_key, body, props)
+            .await
+            .expect("raw publish confirmed");
+    }
+
+    /// Ready messages in every work and delay queue (not the DLQ).
+    pub async fn pending(&self) -> u32 {
+        let topology = self.broker.topology();
+        let mut total = 0;
+        for queue in topology.all_queues() {
+            if queue != topology.dead_queue() {
+                total += self.broker.queue_depth(&queue).await.expect("queue exists");
+            }
+        }
+        total
+    }
+
+    pub async fn dead_letters(&self) -> Vec<DeadLetter> {
+        let queue = self.broker.topology().dead_queue();
+        self.broker
+            .peek(&queue, 10_000)
+            .await
+            .expect("peek DLQ")
+            .iter()
+            .map(cli::describe_dead_letter)
+            .collect()
+    }
+
+    /// Deletes this test's queues, exchanges and Redis keys.
+    pub async fn cleanup(mut self) {
+        self.cleaned = true;
+        cleanup(&self.config).await;
+    }
+}
+
+async fn cleanup(config: &Config) {
+    if let Ok(broker) = cli::connect_broker(config, "cleanup").await {
+        let _ = broker.delete_topology().await;
+        broker.close().await;
+    }
+    if let Ok(store) = cli::quota_store(config) {
+        let _ = store.purge_prefix().await;
+    }
+}
+
+impl Drop for TestEnv {
+    /// A failed test still cleans up after itself.
+    fn drop(&mut self) {
+        if self.cleaned {
+            return;
+        }
+        let config = self.config.clone();
+        let _ = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build();
+            if let Ok(rt) = rt {
+                rt.block_on(cleanup(&config));
+            }
+        })
+        .join();
+    }
+}
+
+pub fn now() -> UnixMillis {
+    use tollgate_core::Clock;
+    tollgate::system_clock::SystemClock.now()
+}
+
+/// Polls `check` until it returns true; panics with `what` after `timeout`.
+pub async fn wait_for<F, Fut>(what: &str, timeout: Duration, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let started = Instant::now();
+    while !check().await {
+        assert!(started.elapsed() < timeout, "timed out after {timeout:?} waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
