@@ -1,1 +1,82 @@
-//! placeholder
+//! Provider failures: retries with backoff end as `exhausted`, other 4xx
+//! as `rejected` at once, and a 429 parks the job until Retry-After.
+
+use std::time::Duration;
+
+use std::sync::Arc;
+use tollgate_tests::{FakeProvider, Reply, TestEnv, wait_for};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failures_retry_then_exhaust_rejections_stop_and_429s_wait() {
+    let provider = FakeProvider::start(Arc::new(|req: &tollgate_tests::Received, earlier: usize| {
+        match req.tenant.as_str() {
+            "flaky" => Reply::status(500),
+            "timeout" => Reply {
+                delay: Duration::from_secs(3),
+                ..Reply::ok()
+            },
+            "gone" => Reply::status(408),
+            "bad" => Reply::status(422),
+            "busy" if earlier == 0 => Reply {
+                status: 429,
+                retry_after: Some("1".into()),
+                delay: Duration::ZERO,
+            },
+            _ => Reply::ok(),
+        }
+    }))
+    .await
+    .unwrap();
+    let env = TestEnv::new(&provider.url()).await;
+    let worker = env.spawn_worker_with(|c| c.provider_timeout_ms = 300).await;
+    for tenant in ["flaky", "timeout", "gone", "bad", "busy"] {
+        env.publish(tenant, 1, |_| {}).await;
+    }
+
+    wait_for("four dead letters", Duration::from_secs(30), || async {
+        env.dead_letters().await.len() >= 4
+    })
+    .await;
+    wait_for("the throttled job to be sent", Duration::from_secs(30), || async {
+        provider.accepted() >= 1
+    })
+    .await;
+
+    let received = provider.received();
+    let calls = |tenant: &str| -> Vec<_> { received.iter().filter(|r| r.tenant == tenant).collect() };
+    for tenant in ["flaky", "timeout", "gone"] {
+        let attempts: Vec<u32> = calls(tenant).iter().map(|r| r.attempt).collect();
+        assert_eq!(attempts, [1, 2, 3], "{tenant}: max_attempts = 3, numbered in the header");
+    }
+    assert_eq!(calls("bad").len(), 1, "a 422 is not retried");
+
+    let busy = calls("busy");
+    assert_eq!(busy.len(), 2, "429 once, then sent");
+    assert_eq!(busy[0].status, 429);
+    assert_eq!(busy[1].status, 200);
+    assert_eq!(busy[1].attempt, 1, "a 429 does not burn an attempt");
+    let waited = busy[1].instant.duration_since(busy[0].instant);
+    assert!(waited >= Duration::from_secs(1), "Retry-After: 1 honoured, waited {waited:?}");
+
+    let letters = env.dead_letters().await;
+    let reason_of = |tenant: &str| {
+        letters
+            .iter()
+            .find(|l| l.tenant == tenant)
+            .map(|l| l.reason.clone())
+            .unwrap_or_default()
+    };
+    assert_eq!(reason_of("flaky"), "exhausted");
+    assert_eq!(reason_of("timeout"), "exhausted");
+    assert_eq!(reason_of("gone"), "exhausted");
+    assert_eq!(reason_of("bad"), "rejected");
+    assert_eq!(letters.len(), 4);
+
+    let m = &worker.metrics;
+    assert_eq!(m.counter_sum("tollgate_provider_requests_total", &[("outcome", "throttled")]), 1.0);
+    assert_eq!(m.counter_sum("tollgate_provider_requests_total", &[("outcome", "failed")]), 9.0);
+    assert_eq!(m.counter_sum("tollgate_provider_requests_total", &[("outcome", "rejected")]), 1.0);
+    wait_for("queues to drain", Duration::from_secs(10), || async { env.pending().await == 0 }).await;
+    worker.stop().await.unwrap();
+    env.cleanup().await;
+}

@@ -68,13 +68,23 @@ impl Completion {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Action {
     /// Keep the delivery and call [`JobRun::next`] again at `until`.
-    Hold { until: UnixMillis },
+    /// `reason: None` is a granted reservation, which must be held (the
+    /// permit is already taken); any other hold may be turned into a park
+    /// with [`JobRun::park_instead`] when the pod will not hold more of this
+    /// tenant's jobs.
+    Hold {
+        until: UnixMillis,
+        reason: Option<ParkReason>,
+    },
     /// Publish a copy carrying [`JobRun::progress`] to the delay tier `tier`
     /// (confirmed), then ack the delivery.
     Park {
         until: UnixMillis,
         reason: ParkReason,
         tier: Duration,
+        /// This copy was already parked for the same wait: a further hop
+        /// through the tiers, not a new park.
+        hop: bool,
     },
     /// Ask the permit store, then call [`JobRun::on_permit`].
     AskPermit,
@@ -100,6 +110,9 @@ pub struct JobRun {
     expires_at: Option<UnixMillis>,
     progress: Progress,
     stage: Stage,
+    /// The wait this copy was parked for, if any: parking it again for the
+    /// same wait is a hop, not a new park.
+    arrived_waiting: Option<(UnixMillis, ParkReason)>,
 }
 
 impl JobRun {
@@ -108,6 +121,7 @@ impl JobRun {
         Self {
             due_at: job.due_at,
             expires_at: job.expires_at,
+            arrived_waiting: progress.not_before.zip(progress.park_reason),
             progress,
             stage: Stage::Due,
         }
@@ -145,6 +159,8 @@ impl JobRun {
                 match (due, not_before) {
                     (None, None) => Action::AskPermit,
                     (Some(due), nb) if nb.is_none_or(|nb| due >= nb) => {
+                        self.progress.not_before = Some(due);
+                        self.progress.park_reason = Some(ParkReason::NotDue);
                         self.wait_action(policy, now, due, ParkReason::NotDue)
                     }
                     (_, Some(nb)) => {
@@ -173,6 +189,7 @@ impl JobRun {
                     self.progress.quota_wait += delay;
                     Action::Hold {
                         until: now.saturating_add(delay),
+                        reason: None,
                     }
                 }
             }
@@ -268,9 +285,40 @@ impl JobRun {
                 until,
                 reason,
                 tier,
+                hop: self.is_hop(until, reason),
             },
-            _ => Action::Hold { until },
+            _ => Action::Hold {
+                until,
+                reason: Some(reason),
+            },
         }
+    }
+
+    /// Parks a wait that [`JobRun::next`] offered to hold, because the pod
+    /// holds enough of this tenant's jobs already. A wait shorter than every
+    /// tier goes to the smallest one: the job comes back late, never early.
+    pub fn park_instead(
+        &self,
+        policy: &Policy,
+        now: UnixMillis,
+        until: UnixMillis,
+        reason: ParkReason,
+    ) -> Action {
+        let remaining = now.until(until);
+        let tier = policy
+            .tiers
+            .pick(remaining)
+            .unwrap_or_else(|| policy.tiers.all()[0]);
+        Action::Park {
+            until,
+            reason,
+            tier,
+            hop: self.is_hop(until, reason),
+        }
+    }
+
+    fn is_hop(&self, until: UnixMillis, reason: ParkReason) -> bool {
+        self.arrived_waiting == Some((until, reason))
     }
 }
 
@@ -338,13 +386,32 @@ mod tests {
                 until: at(3_400),
                 reason: ParkReason::NotDue,
                 tier: Duration::from_secs(1),
+                hop: false,
             }
         );
-        // Back from the 1 s tier a little late: still 2.39 s to go.
+        // Back from the 1 s tier a little late: still 2.39 s to go; the copy
+        // carries its wait, so parking it again is a hop.
+        let mut run = JobRun::new(&job(&due_in(3_400)), run.progress().clone(), at(1_010));
         let a = run.next(&p, at(1_010));
-        assert!(matches!(a, Action::Park { tier, .. } if tier == Duration::from_secs(1)));
+        assert!(matches!(a, Action::Park { tier, hop: true, .. } if tier == Duration::from_secs(1)));
         // Under the hold limit: held in-process until exactly due.
-        assert_eq!(run.next(&p, at(2_900)), Action::Hold { until: at(3_400) });
+        assert_eq!(
+            run.next(&p, at(2_900)),
+            Action::Hold {
+                until: at(3_400),
+                reason: Some(ParkReason::NotDue)
+            }
+        );
+        // A pod that will not hold more of this tenant parks it instead.
+        assert_eq!(
+            run.park_instead(&p, at(2_900), at(3_400), ParkReason::NotDue),
+            Action::Park {
+                until: at(3_400),
+                reason: ParkReason::NotDue,
+                tier: Duration::from_secs(1),
+                hop: true,
+            }
+        );
         assert_eq!(run.next(&p, at(3_400)), Action::AskPermit);
         assert_eq!(run.progress().quota_wait, Duration::ZERO, "waiting to be due is not throttling");
     }
@@ -361,7 +428,14 @@ mod tests {
             },
             T0,
         );
-        assert_eq!(a, Action::Hold { until: at(80) });
+        assert_eq!(
+            a,
+            Action::Hold {
+                until: at(80),
+                reason: None
+            },
+            "a reservation must be held, never parked"
+        );
         assert_eq!(run.next(&p, at(80)), Action::CallProvider);
         assert_eq!(run.progress().quota_wait, Duration::from_millis(80));
     }
@@ -384,6 +458,7 @@ mod tests {
                 until: at(7_500),
                 reason: ParkReason::Quota,
                 tier: Duration::from_secs(5),
+                hop: false,
             }
         );
         assert_eq!(run.progress().quota_wait, Duration::from_millis(7_500));
@@ -397,10 +472,17 @@ mod tests {
                 until: at(7_500),
                 reason: ParkReason::Quota,
                 tier: Duration::from_secs(1),
+                hop: true,
             }
         );
         assert_eq!(back.progress().quota_wait, Duration::from_millis(7_500));
-        assert_eq!(back.next(&p, at(6_600)), Action::Hold { until: at(7_500) });
+        assert_eq!(
+            back.next(&p, at(6_600)),
+            Action::Hold {
+                until: at(7_500),
+                reason: Some(ParkReason::Quota)
+            }
+        );
         assert_eq!(back.next(&p, at(7_500)), Action::AskPermit);
     }
 
@@ -417,7 +499,7 @@ mod tests {
             if attempt < 3 {
                 let ceiling = p.backoff.ceiling(attempt);
                 match a {
-                    Action::Hold { until } | Action::Park { until, .. } => {
+                    Action::Hold { until, .. } | Action::Park { until, .. } => {
                         assert!(now.until(until) <= ceiling);
                     }
                     other => panic!("attempt {attempt}: expected a wait, got {other:?}"),
@@ -483,7 +565,13 @@ mod tests {
         let mut run = JobRun::new(&job(""), Progress::default(), T0);
         run.next(&p, T0);
         let a = run.on_permit(&p, PermitDecision::Unavailable, T0);
-        assert_eq!(a, Action::Hold { until: at(1_000) });
+        assert_eq!(
+            a,
+            Action::Hold {
+                until: at(1_000),
+                reason: Some(ParkReason::Backoff)
+            }
+        );
         assert_eq!(run.next(&p, at(1_000)), Action::AskPermit, "asks again, never calls");
     }
 
@@ -524,7 +612,7 @@ mod tests {
                         prop_assert!(now.saturating_add(tier) <= until, "a tier overshoots");
                         now = now.saturating_add(tier + Duration::from_millis(lateness_ms as u64));
                     }
-                    Action::Hold { until } => {
+                    Action::Hold { until, .. } => {
                         prop_assert!(now.until(until) <= p.hold_max);
                         now = until;
                     }
@@ -545,7 +633,7 @@ mod tests {
             let (mut now, mut failed_calls, mut throttles) = (T0, 0, throttles.into_iter());
             loop {
                 match run.next(&p, now) {
-                    Action::Hold { until } | Action::Park { until, .. } => { now = until; continue; }
+                    Action::Hold { until, .. } | Action::Park { until, .. } => { now = until; continue; }
                     Action::AskPermit => {}
                     other => prop_assert!(false, "unexpected {other:?}"),
                 }

@@ -30,6 +30,11 @@ impl Keys {
         format!("{}:tat:{{{tenant}}}", self.prefix)
     }
 
+    /// The tenant's virtual queue of denied jobs (next free virtual slot).
+    pub fn waiting(&self, tenant: &TenantId) -> String {
+        format!("{}:waiting:{{{tenant}}}", self.prefix)
+    }
+
     /// Present once the key was sent; holds the job id.
     pub fn sent(&self, tenant: &TenantId, key: &IdempotencyKey) -> String {
         format!("{}:sent:{{{tenant}}}:{key}", self.prefix)

@@ -28,6 +28,11 @@ pub struct PermitSettings {
     pub lease_ttl: Duration,
     /// How long a sent idempotency key is remembered.
     pub sent_ttl: Duration,
+    /// Fraction by which sends are spaced wider than the quota (0.02 = 2 %).
+    /// Permits are exact, but sends arrive with a few milliseconds of jitter;
+    /// without a margin, a provider counting per sliding second would see
+    /// rate + 1 requests in some windows.
+    pub pacing_margin: f64,
 }
 
 pub struct RedisPermits {
@@ -70,12 +75,14 @@ impl PermitStore for RedisPermits {
             .key(self.keys.tat(req.tenant))
             .key(self.keys.sent(req.tenant, req.key))
             .key(self.keys.lease(req.tenant, req.key))
+            .key(self.keys.waiting(req.tenant))
             .arg(default.rate.count)
             .arg(default.rate.period.as_millis() as u64)
             .arg(default.burst)
             .arg(req.lease_token)
             .arg(micros(self.settings.horizon))
             .arg(self.settings.lease_ttl.as_millis() as u64)
+            .arg(1.0 + self.settings.pacing_margin)
             .invoke_async(&mut conn)
             .await
             .map_err(|e| self.redis.classify(e))?;

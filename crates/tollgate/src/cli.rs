@@ -7,7 +7,8 @@ use std::time::Duration;
 
 use anyhow::{Context, bail};
 use clap::{Args, Parser, Subcommand};
-use futures::{StreamExt, TryStreamExt};
+use futures::StreamExt;
+use futures::stream::FuturesUnordered;
 use serde_json::value::RawValue;
 use tollgate_amqp::{Broker, headers};
 use tollgate_core::{
@@ -191,12 +192,21 @@ pub fn build_jobs(args: &PublishArgs, now: UnixMillis) -> anyhow::Result<Vec<Job
 
 /// Publishes jobs with confirms, many in flight at once.
 pub async fn publish_jobs(broker: &Broker, jobs: &[Job], now: UnixMillis) -> anyhow::Result<()> {
-    futures::stream::iter(jobs)
-        .map(|job| broker.publish_job(job, now))
-        .buffer_unordered(256)
-        .try_collect::<()>()
-        .await
-        .context("publishing")
+    const IN_FLIGHT: usize = 256;
+    let mut pending = FuturesUnordered::new();
+    for job in jobs {
+        if pending.len() >= IN_FLIGHT
+            && let Some(result) = pending.next().await
+        {
+            let result: Result<(), tollgate_amqp::AmqpError> = result;
+            result.context("publishing")?;
+        }
+        pending.push(broker.publish_job(job, now));
+    }
+    while let Some(result) = pending.next().await {
+        result.context("publishing")?;
+    }
+    Ok(())
 }
 
 pub async fn publish(config: &Config, args: &PublishArgs) -> anyhow::Result<()> {

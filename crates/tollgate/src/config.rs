@@ -115,6 +115,12 @@ pub struct Config {
     pub hold_max_ms: u64,
     /// How far ahead a permit may be reserved (held in-process until then).
     pub permit_horizon_ms: u64,
+    /// Sends are spaced this many percent wider than the quota, so send
+    /// jitter never pushes a strict provider over it.
+    pub pacing_margin_pct: f64,
+    /// Deliveries of one tenant a pod holds in-process at once; beyond it,
+    /// short waits are parked too, so one tenant cannot fill the prefetch.
+    pub tenant_hold_max: usize,
     /// Number of work queues tenants are hashed over.
     pub shards: u16,
     pub delay_tiers_ms: Vec<u64>,
@@ -155,6 +161,8 @@ impl Default for Config {
             backoff_max_ms: 300_000,
             hold_max_ms: 1_000,
             permit_horizon_ms: 250,
+            tenant_hold_max: 8,
+            pacing_margin_pct: 2.0,
             shards: 4,
             delay_tiers_ms: vec![1_000, 5_000, 30_000, 120_000, 600_000, 3_600_000],
             delivery_limit: 5,
@@ -204,6 +212,12 @@ impl Config {
         }
         if self.max_attempts == 0 {
             bail!("max_attempts must be at least 1");
+        }
+        if !(0.0..=50.0).contains(&self.pacing_margin_pct) {
+            bail!("pacing_margin_pct must be between 0 and 50");
+        }
+        if self.tenant_hold_max == 0 {
+            bail!("tenant_hold_max must be at least 1");
         }
         if self.shards == 0 {
             bail!("shards must be at least 1");
@@ -265,6 +279,7 @@ impl Config {
             horizon: Duration::from_millis(self.permit_horizon_ms),
             lease_ttl: Duration::from_millis(self.provider_timeout_ms) + Duration::from_secs(5),
             sent_ttl: Duration::from_secs(self.sent_ttl_s),
+            pacing_margin: self.pacing_margin_pct / 100.0,
         })
     }
 

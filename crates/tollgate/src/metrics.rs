@@ -10,7 +10,9 @@ use prometheus::{
     Encoder, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
     Registry, TextEncoder,
 };
-use tollgate_core::{Completion, DeadReason, ParkReason, PermitDecision, ProviderOutcome};
+use tollgate_core::{
+    Completion, DeadReason, DelayTiers, ParkReason, PermitDecision, ProviderOutcome,
+};
 
 /// Milliseconds to a day, with the SLO thresholds 0.1 s, 1 s and 60 s on
 /// bucket boundaries (due lag can be hours when a queue backs up).
@@ -78,6 +80,7 @@ struct Inner {
     jobs_completed: IntCounterVec,
     parked: IntCounterVec,
     dead_letters: IntCounterVec,
+    tier_publishes: IntCounterVec,
     in_flight: IntGauge,
 }
 
@@ -151,11 +154,14 @@ impl Metrics {
                 "Jobs that reached a final outcome (sent, duplicate, dead_lettered), by tenant.",
                 &["tenant", "outcome"]),
             parked: counter(r, "tollgate_parked_total",
-                "Jobs parked in a delay tier, by reason (not_due, quota, backoff, throttled).",
-                &["reason"]),
+                "Waits that parked a job in the delay tiers (once per wait, not per tier hop), by tenant and reason.",
+                &["tenant", "reason"]),
             dead_letters: counter(r, "tollgate_dead_letters_total",
                 "Jobs published to the dead-letter queue, by tenant and reason.",
                 &["tenant", "reason"]),
+            tier_publishes: counter(r, "tollgate_tier_publishes_total",
+                "Copies published to a delay tier, by tier; a long wait takes several hops through the tiers.",
+                &["tier"]),
             in_flight,
             registry,
         };
@@ -203,8 +209,15 @@ impl Metrics {
             .observe(took.as_secs_f64());
     }
 
-    pub fn parked(&self, reason: ParkReason) {
-        self.0.parked.with_label_values(&[reason.as_str()]).inc();
+    pub fn tier_publish(&self, tier: Duration) {
+        self.0
+            .tier_publishes
+            .with_label_values(&[&DelayTiers::name(tier)])
+            .inc();
+    }
+
+    pub fn parked(&self, tenant: &str, reason: ParkReason) {
+        self.0.parked.with_label_values(&[tenant, reason.as_str()]).inc();
     }
 
     /// A final outcome: counts it and records the job's quota wait.
@@ -237,7 +250,8 @@ impl Metrics {
                 })
             })
             .map(|m| m.get_counter().get_value())
-            .sum()
+            // fold from +0.0: `sum()` of nothing is -0.0, which prints as "-0".
+            .fold(0.0, |total, v| total + v)
     }
 }
 
@@ -263,7 +277,8 @@ mod tests {
         metrics.due_lag("acme", Duration::from_millis(20));
         metrics.permit("acme", &PermitDecision::Duplicate);
         metrics.provider("acme", "default", ProviderOutcome::Sent, Duration::from_millis(3));
-        metrics.parked(ParkReason::Quota);
+        metrics.parked("acme", ParkReason::Quota);
+        metrics.tier_publish(Duration::from_secs(5));
         metrics.completed("acme", Completion::Sent, Duration::ZERO);
         metrics.dead_lettered("acme", DeadReason::Rejected, Duration::ZERO);
         let text = metrics.render();
@@ -277,6 +292,7 @@ mod tests {
             "tollgate_jobs_completed_total",
             "tollgate_parked_total",
             "tollgate_dead_letters_total",
+            "tollgate_tier_publishes_total",
             "tollgate_jobs_in_flight",
             "tollgate_build_info",
         ] {

@@ -5,8 +5,9 @@
 //! [`Worker::process_one`] is one whole step (one delivery to its settled
 //! outcome); [`Worker::run`] is the thin loop around it.
 
+use std::collections::HashMap;
 use std::future::Future;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
@@ -22,7 +23,7 @@ use tollgate_core::outcome::classify;
 use tollgate_core::ports::{PermitRequest, PermitStore, Provider, ProviderCall};
 use tollgate_core::{
     Action, Clock, Completion, DeadReason, Job, JobRun, Malformed, ParkReason, PermitDecision,
-    Policy, Progress, UnixMillis,
+    Policy, Progress, TenantId, UnixMillis,
 };
 use tollgate_provider::HttpProvider;
 use tollgate_quota::{Keys, Redis, RedisPermits};
@@ -54,6 +55,57 @@ pub struct Worker<P, V> {
     concurrency: u16,
     shutdown_grace: Duration,
     consuming: AtomicBool,
+    holds: HoldGate,
+}
+
+/// Counts the deliveries of each tenant this pod holds in-process (waiting
+/// to be due, for a permit, or for a reserved slot), and refuses optional
+/// holds beyond `cap`.
+struct HoldGate {
+    cap: usize,
+    held: Arc<Mutex<HashMap<TenantId, usize>>>,
+}
+
+/// Releases its hold when dropped.
+struct HoldSlot {
+    tenant: TenantId,
+    held: Arc<Mutex<HashMap<TenantId, usize>>>,
+}
+
+impl HoldGate {
+    fn new(cap: usize) -> Self {
+        Self {
+            cap,
+            held: Arc::default(),
+        }
+    }
+
+    /// A slot for one more held delivery of `tenant`; `forced` slots are
+    /// counted but never refused.
+    fn hold(&self, tenant: &TenantId, forced: bool) -> Option<HoldSlot> {
+        let mut held = self.held.lock().expect("not poisoned");
+        let count = held.entry(tenant.clone()).or_insert(0);
+        if *count >= self.cap && !forced {
+            return None;
+        }
+        *count += 1;
+        Some(HoldSlot {
+            tenant: tenant.clone(),
+            held: Arc::clone(&self.held),
+        })
+    }
+}
+
+impl Drop for HoldSlot {
+    fn drop(&mut self) {
+        let mut held = self.held.lock().expect("not poisoned");
+        if let Some(count) = held.get_mut(&self.tenant) {
+            *count -= 1;
+            if *count == 0 {
+                held.remove(&self.tenant);
+            }
+        }
+    }
 }
 
 /// The worker wired to the real adapters.
@@ -88,6 +140,7 @@ impl LiveWorker {
             concurrency: config.concurrency,
             shutdown_grace: Duration::from_millis(config.shutdown_grace_ms),
             consuming: AtomicBool::new(false),
+            holds: HoldGate::new(config.tenant_hold_max),
         })
     }
 }
@@ -279,20 +332,37 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
         let mut action = run.next(&self.policy, now);
         loop {
             action = match action {
-                Action::Hold { until } => {
+                Action::Hold { until, reason } => {
+                    // A reservation (no reason) is always held: its permit is
+                    // taken. Any other wait is held only while this pod holds
+                    // few of the tenant's jobs, so one tenant's waits cannot
+                    // fill the prefetch and block the tenants behind it.
+                    let Some(_slot) = self.holds.hold(&job.tenant, reason.is_none()) else {
+                        let reason = reason.expect("forced holds are never refused");
+                        action = run.park_instead(&self.policy, now, until, reason);
+                        continue;
+                    };
                     debug!(decision = "held", wait_ms = now.until(until).as_millis() as u64);
                     tokio::time::sleep(now.until(until)).await;
                     now = self.clock.now();
                     run.next(&self.policy, now)
                 }
-                Action::Park { until, reason, tier } => {
+                Action::Park {
+                    until,
+                    reason,
+                    tier,
+                    hop,
+                } => {
                     let progress = Progress {
                         enqueued_at: Some(now.saturating_add(tier)),
                         ..run.progress().clone()
                     };
                     self.broker.park(delivery, &job.tenant, &progress, tier).await?;
-                    self.metrics.parked(reason);
-                    self.log_decision(job, &run, "parked", now.until(until), Some(reason.as_str()));
+                    self.metrics.tier_publish(tier);
+                    if !hop {
+                        self.metrics.parked(tenant, reason);
+                        self.log_decision(job, &run, "parked", now.until(until), Some(reason.as_str()));
+                    }
                     return Ok(Settled::Parked(reason));
                 }
                 Action::AskPermit => {
