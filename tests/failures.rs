@@ -8,8 +8,8 @@ use tollgate_tests::{FakeProvider, Reply, TestEnv, wait_for};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failures_retry_then_exhaust_rejections_stop_and_429s_wait() {
-    let provider = FakeProvider::start(Arc::new(|req: &tollgate_tests::Received, earlier: usize| {
-        match req.tenant.as_str() {
+    let provider = FakeProvider::start(Arc::new(
+        |req: &tollgate_tests::Received, earlier: usize| match req.tenant.as_str() {
             "flaky" => Reply::status(500),
             "timeout" => Reply {
                 delay: Duration::from_secs(3),
@@ -23,8 +23,8 @@ async fn failures_retry_then_exhaust_rejections_stop_and_429s_wait() {
                 delay: Duration::ZERO,
             },
             _ => Reply::ok(),
-        }
-    }))
+        },
+    ))
     .await
     .unwrap();
     let env = TestEnv::new(&provider.url()).await;
@@ -37,16 +37,23 @@ async fn failures_retry_then_exhaust_rejections_stop_and_429s_wait() {
         env.dead_letters().await.len() >= 4
     })
     .await;
-    wait_for("the throttled job to be sent", Duration::from_secs(30), || async {
-        provider.accepted() >= 1
-    })
+    wait_for(
+        "the throttled job to be sent",
+        Duration::from_secs(30),
+        || async { provider.accepted() >= 1 },
+    )
     .await;
 
     let received = provider.received();
-    let calls = |tenant: &str| -> Vec<_> { received.iter().filter(|r| r.tenant == tenant).collect() };
+    let calls =
+        |tenant: &str| -> Vec<_> { received.iter().filter(|r| r.tenant == tenant).collect() };
     for tenant in ["flaky", "timeout", "gone"] {
         let attempts: Vec<u32> = calls(tenant).iter().map(|r| r.attempt).collect();
-        assert_eq!(attempts, [1, 2, 3], "{tenant}: max_attempts = 3, numbered in the header");
+        assert_eq!(
+            attempts,
+            [1, 2, 3],
+            "{tenant}: max_attempts = 3, numbered in the header"
+        );
     }
     assert_eq!(calls("bad").len(), 1, "a 422 is not retried");
 
@@ -56,7 +63,10 @@ async fn failures_retry_then_exhaust_rejections_stop_and_429s_wait() {
     assert_eq!(busy[1].status, 200);
     assert_eq!(busy[1].attempt, 1, "a 429 does not burn an attempt");
     let waited = busy[1].instant.duration_since(busy[0].instant);
-    assert!(waited >= Duration::from_secs(1), "Retry-After: 1 honoured, waited {waited:?}");
+    assert!(
+        waited >= Duration::from_secs(1),
+        "Retry-After: 1 honoured, waited {waited:?}"
+    );
 
     let letters = env.dead_letters().await;
     let reason_of = |tenant: &str| {
@@ -73,10 +83,28 @@ async fn failures_retry_then_exhaust_rejections_stop_and_429s_wait() {
     assert_eq!(letters.len(), 4);
 
     let m = &worker.metrics;
-    assert_eq!(m.counter_sum("tollgate_provider_requests_total", &[("outcome", "throttled")]), 1.0);
-    assert_eq!(m.counter_sum("tollgate_provider_requests_total", &[("outcome", "failed")]), 9.0);
-    assert_eq!(m.counter_sum("tollgate_provider_requests_total", &[("outcome", "rejected")]), 1.0);
-    wait_for("queues to drain", Duration::from_secs(10), || async { env.pending().await == 0 }).await;
+    assert_eq!(
+        m.counter_sum(
+            "tollgate_provider_requests_total",
+            &[("outcome", "throttled")]
+        ),
+        1.0
+    );
+    assert_eq!(
+        m.counter_sum("tollgate_provider_requests_total", &[("outcome", "failed")]),
+        9.0
+    );
+    assert_eq!(
+        m.counter_sum(
+            "tollgate_provider_requests_total",
+            &[("outcome", "rejected")]
+        ),
+        1.0
+    );
+    wait_for("queues to drain", Duration::from_secs(10), || async {
+        env.pending().await == 0
+    })
+    .await;
     worker.stop().await.unwrap();
     env.cleanup().await;
 }

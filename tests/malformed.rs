@@ -7,7 +7,9 @@ use tollgate_tests::{FakeProvider, TestEnv, fake_provider, wait_for};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn malformed_messages_are_dead_lettered_and_good_jobs_around_them_are_sent() {
-    let provider = FakeProvider::start(fake_provider::always_ok()).await.unwrap();
+    let provider = FakeProvider::start(fake_provider::always_ok())
+        .await
+        .unwrap();
     let env = TestEnv::new(&provider.url()).await;
     let worker = env.spawn_worker_with(|c| c.max_body_bytes = 4096).await;
 
@@ -18,10 +20,22 @@ async fn malformed_messages_are_dead_lettered_and_good_jobs_around_them_are_sent
     let bad: [(&str, Vec<u8>, &str); 6] = [
         ("acme", b"this is not json".to_vec(), "not a valid job"),
         ("acme", br#"{"id":"m1"}"#.to_vec(), "missing field `tenant`"),
-        ("bad tenant!", br#"{"id":"m2","tenant":"bad tenant!"}"#.to_vec(), "invalid tenant"),
-        ("acme", br#"{"id":"m3","tenant":"acme","due_at":"next tuesday"}"#.to_vec(), "invalid due_at"),
+        (
+            "bad tenant!",
+            br#"{"id":"m2","tenant":"bad tenant!"}"#.to_vec(),
+            "invalid tenant",
+        ),
+        (
+            "acme",
+            br#"{"id":"m3","tenant":"acme","due_at":"next tuesday"}"#.to_vec(),
+            "invalid due_at",
+        ),
         ("acme", oversized.into_bytes(), "the limit is 4096"),
-        ("acme", br#"{"id":"m5","tenant":"acme","kind":"fax"}"#.to_vec(), "unknown kind"),
+        (
+            "acme",
+            br#"{"id":"m5","tenant":"acme","kind":"fax"}"#.to_vec(),
+            "unknown kind",
+        ),
     ];
     let mut good = Vec::new();
     for (routing_key, body, _) in &bad {
@@ -34,22 +48,31 @@ async fn malformed_messages_are_dead_lettered_and_good_jobs_around_them_are_sent
         provider.accepted() >= good.len()
     })
     .await;
-    wait_for("every bad message dead-lettered", Duration::from_secs(10), || async {
-        env.dead_letters().await.len() >= bad.len()
-    })
+    wait_for(
+        "every bad message dead-lettered",
+        Duration::from_secs(10),
+        || async { env.dead_letters().await.len() >= bad.len() },
+    )
     .await;
 
     let letters = env.dead_letters().await;
     assert_eq!(letters.len(), bad.len());
     for (_, _, expected) in &bad {
         let hit = letters.iter().find(|l| l.detail.contains(expected));
-        let letter = hit.unwrap_or_else(|| panic!("no dead letter says {expected:?}: {letters:#?}"));
+        let letter =
+            hit.unwrap_or_else(|| panic!("no dead letter says {expected:?}: {letters:#?}"));
         assert_eq!(letter.reason, "malformed");
     }
-    assert_eq!(provider.received().len(), good.len(), "no bad message reached the provider");
+    assert_eq!(
+        provider.received().len(),
+        good.len(),
+        "no bad message reached the provider"
+    );
     assert!(worker.is_running(), "the worker survived");
     assert_eq!(
-        worker.metrics.counter_sum("tollgate_dead_letters_total", &[("reason", "malformed")]),
+        worker
+            .metrics
+            .counter_sum("tollgate_dead_letters_total", &[("reason", "malformed")]),
         bad.len() as f64
     );
     worker.stop().await.unwrap();

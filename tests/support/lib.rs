@@ -57,7 +57,10 @@ impl TestEnv {
     /// tests: short backoff, few attempts, two shards.
     pub async fn new(provider_url: &str) -> Self {
         init_logs();
-        let prefix = format!("tgtest-{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
+        let prefix = format!(
+            "tgtest-{}",
+            &uuid::Uuid::new_v4().simple().to_string()[..12]
+        );
         let config = Config {
             prefix,
             provider_url: Some(SecretUrl::new(provider_url)),
@@ -126,7 +129,12 @@ impl TestEnv {
 
     /// Publishes `count` jobs for `tenant` through the same path as
     /// `tollgate publish`; returns them.
-    pub async fn publish(&self, tenant: &str, count: u32, tweak: impl Fn(&mut cli::PublishArgs)) -> Vec<Job> {
+    pub async fn publish(
+        &self,
+        tenant: &str,
+        count: u32,
+        tweak: impl Fn(&mut cli::PublishArgs),
+    ) -> Vec<Job> {
         let mut args = cli::PublishArgs {
             tenant: tenant.into(),
             kind: "default".into(),
@@ -141,18 +149,26 @@ impl TestEnv {
         tweak(&mut args);
         let now = now();
         let jobs = cli::build_jobs(&args, now).expect("valid publish args");
-        cli::publish_jobs(&self.broker, &jobs, now).await.expect("published");
+        cli::publish_jobs(&self.broker, &jobs, now)
+            .await
+            .expect("published");
         jobs
     }
 
     /// Publishes an arbitrary body, as a careless producer might.
     pub async fn publish_raw(&self, routing_key: &str, body: &[u8]) {
-        self.publish_raw_with(routing_key, body, job_properties()).await;
+        self.publish_raw_with(routing_key, body, job_properties())
+            .await;
     }
 
     pub async fn publish_raw_with(&self, routing_key: &str, body: &[u8], props: BasicProperties) {
         self.broker
-            .publish(&self.broker.topology().jobs_exchange(), routing_key, body, props)
+            .publish(
+                &self.broker.topology().jobs_exchange(),
+                routing_key,
+                body,
+                props,
+            )
             .await
             .expect("raw publish confirmed");
     }
@@ -205,7 +221,9 @@ impl Drop for TestEnv {
         }
         let config = self.config.clone();
         let _ = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build();
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build();
             if let Ok(rt) = rt {
                 rt.block_on(cleanup(&config));
             }
@@ -227,7 +245,10 @@ where
 {
     let started = Instant::now();
     while !check().await {
-        assert!(started.elapsed() < timeout, "timed out after {timeout:?} waiting for {what}");
+        assert!(
+            started.elapsed() < timeout,
+            "timed out after {timeout:?} waiting for {what}"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }

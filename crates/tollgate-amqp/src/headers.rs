@@ -104,7 +104,10 @@ pub fn write_progress(headers: &mut FieldTable, progress: &Progress) {
     set(ENQUEUED_MS, progress.enqueued_at.map(|t| t.0));
     match progress.park_reason {
         Some(r) => {
-            headers.insert(PARK_REASON.into(), AMQPValue::LongString(LongString::from(r.as_str())));
+            headers.insert(
+                PARK_REASON.into(),
+                AMQPValue::LongString(LongString::from(r.as_str())),
+            );
         }
         None => remove(headers, PARK_REASON),
     }
@@ -143,7 +146,10 @@ mod tests {
     #[test]
     fn absent_headers_are_a_fresh_job() {
         assert_eq!(read_progress(None).unwrap(), Progress::default());
-        assert_eq!(read_progress(Some(&FieldTable::default())).unwrap(), Progress::default());
+        assert_eq!(
+            read_progress(Some(&FieldTable::default())).unwrap(),
+            Progress::default()
+        );
     }
 
     #[test]

@@ -10,8 +10,8 @@ use std::time::Duration;
 use futures::stream::{self, BoxStream, StreamExt};
 use lapin::message::Delivery;
 use lapin::options::{
-    BasicCancelOptions, BasicConsumeOptions, BasicGetOptions, BasicNackOptions, BasicPublishOptions, BasicQosOptions,
-    ConfirmSelectOptions, QueueDeclareOptions,
+    BasicCancelOptions, BasicConsumeOptions, BasicGetOptions, BasicNackOptions,
+    BasicPublishOptions, BasicQosOptions, ConfirmSelectOptions, QueueDeclareOptions,
 };
 use lapin::types::{FieldTable, ShortString};
 use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProperties};
@@ -87,7 +87,9 @@ impl Broker {
                 source,
             })?;
         let publisher = conn.create_channel().await?;
-        publisher.confirm_select(ConfirmSelectOptions::default()).await?;
+        publisher
+            .confirm_select(ConfirmSelectOptions::default())
+            .await?;
         Ok(Self {
             conn,
             topology,
@@ -138,7 +140,13 @@ impl Broker {
         };
         let confirm = self
             .publisher
-            .basic_publish(exchange.into(), routing_key.into(), options, body, properties)
+            .basic_publish(
+                exchange.into(),
+                routing_key.into(),
+                options,
+                body,
+                properties,
+            )
             .await
             .map_err(err)?
             .await
@@ -167,8 +175,13 @@ impl Broker {
             .with_message_id(job.id.as_str().into())
             .with_timestamp((first_seen.0 / 1000).max(0) as u64)
             .with_headers(headers);
-        self.publish(&self.topology.jobs_exchange(), job.tenant.as_str(), &job.to_json(), props)
-            .await
+        self.publish(
+            &self.topology.jobs_exchange(),
+            job.tenant.as_str(),
+            &job.to_json(),
+            props,
+        )
+        .await
     }
 
     /// Publishes a copy of `delivery` carrying `progress` to a delay tier.
@@ -183,9 +196,18 @@ impl Broker {
     ) -> Result<(), AmqpError> {
         let mut headers = delivery.properties.headers().clone().unwrap_or_default();
         headers::write_progress(&mut headers, progress);
-        let props = delivery.properties.clone().with_delivery_mode(2).with_headers(headers);
-        self.publish(&self.topology.tier(tier), tenant.as_str(), &delivery.data, props)
-            .await
+        let props = delivery
+            .properties
+            .clone()
+            .with_delivery_mode(2)
+            .with_headers(headers);
+        self.publish(
+            &self.topology.tier(tier),
+            tenant.as_str(),
+            &delivery.data,
+            props,
+        )
+        .await
     }
 
     /// Publishes `delivery` to the dead-letter exchange with its reason.
@@ -208,7 +230,11 @@ impl Broker {
             headers::DEAD_AT_MS.into(),
             lapin::types::AMQPValue::LongLongInt(now.0),
         );
-        let props = delivery.properties.clone().with_delivery_mode(2).with_headers(headers);
+        let props = delivery
+            .properties
+            .clone()
+            .with_delivery_mode(2)
+            .with_headers(headers);
         self.publish(
             &self.topology.dead_letter_exchange(),
             delivery.routing_key.as_str(),
@@ -221,7 +247,11 @@ impl Broker {
     /// Consumes every work queue on one channel. Each queue's consumer gets
     /// an equal share of `prefetch` (rounded up), so a backlog on one queue
     /// cannot take every slot.
-    pub async fn consume(&self, consumer_name: &str, prefetch: u16) -> Result<Consumption, AmqpError> {
+    pub async fn consume(
+        &self,
+        consumer_name: &str,
+        prefetch: u16,
+    ) -> Result<Consumption, AmqpError> {
         let channel = self.conn.create_channel().await?;
         let queues = self.topology.work_queues();
         let share = prefetch.div_ceil(queues.len() as u16).max(1);
@@ -229,7 +259,9 @@ impl Broker {
         let mut tags = Vec::with_capacity(queues.len());
         for (i, queue) in queues.iter().enumerate() {
             // basic.qos with global=false applies to consumers created after it.
-            channel.basic_qos(share, BasicQosOptions { global: false }).await?;
+            channel
+                .basic_qos(share, BasicQosOptions { global: false })
+                .await?;
             let tag = ShortString::from(format!("{consumer_name}.{i}"));
             let consumer = channel
                 .basic_consume(

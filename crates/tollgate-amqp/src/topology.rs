@@ -13,7 +13,10 @@
 
 use std::time::Duration;
 
-use lapin::options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions, ExchangeDeleteOptions};
+use lapin::options::{
+    ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions, QueueDeclareOptions,
+    QueueDeleteOptions,
+};
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{Channel, ExchangeKind};
 use tollgate_core::DelayTiers;
@@ -30,7 +33,12 @@ pub struct Topology {
 }
 
 impl Topology {
-    pub fn new(prefix: impl Into<String>, shards: u16, tiers: &DelayTiers, delivery_limit: u32) -> Self {
+    pub fn new(
+        prefix: impl Into<String>,
+        shards: u16,
+        tiers: &DelayTiers,
+        delivery_limit: u32,
+    ) -> Self {
         Self {
             prefix: prefix.into(),
             shards: shards.max(1),
@@ -96,7 +104,10 @@ impl Topology {
         for queue in self.work_queues() {
             let mut args = quorum();
             dead_letter_to(&mut args, &dlx);
-            args.insert("x-delivery-limit".into(), AMQPValue::LongLongInt(i64::from(self.delivery_limit)));
+            args.insert(
+                "x-delivery-limit".into(),
+                AMQPValue::LongLongInt(i64::from(self.delivery_limit)),
+            );
             declare_queue(channel, &queue, args).await?;
             // Consistent-hash bindings carry a weight, not a pattern.
             bind(channel, &queue, &jobs, "1").await?;
@@ -108,7 +119,10 @@ impl Topology {
             // No x-dead-letter-routing-key: the copy keeps its routing key
             // (the tenant) and returns to the tenant's own work queue.
             dead_letter_to(&mut args, &jobs);
-            args.insert("x-message-ttl".into(), AMQPValue::LongLongInt(tier.as_millis() as i64));
+            args.insert(
+                "x-message-ttl".into(),
+                AMQPValue::LongLongInt(tier.as_millis() as i64),
+            );
             declare_exchange(channel, &name, ExchangeKind::Fanout, durable).await?;
             declare_queue(channel, &name, args).await?;
             bind(channel, &name, &name, "").await?;
@@ -146,7 +160,10 @@ fn quorum() -> FieldTable {
 /// once the target confirmed it. Requires `x-overflow: reject-publish`.
 fn dead_letter_to(args: &mut FieldTable, exchange: &str) {
     args.insert("x-dead-letter-exchange".into(), long_string(exchange));
-    args.insert("x-dead-letter-strategy".into(), long_string("at-least-once"));
+    args.insert(
+        "x-dead-letter-strategy".into(),
+        long_string("at-least-once"),
+    );
     args.insert("x-overflow".into(), long_string("reject-publish"));
 }
 
@@ -162,7 +179,12 @@ async fn declare_exchange(
 ) -> Result<(), AmqpError> {
     let custom = matches!(kind, ExchangeKind::Custom(_));
     channel
-        .exchange_declare(ShortString::from(name), kind, options, FieldTable::default())
+        .exchange_declare(
+            ShortString::from(name),
+            kind,
+            options,
+            FieldTable::default(),
+        )
         .await
         .map_err(|e| {
             if custom && e.to_string().contains("invalid exchange type") {

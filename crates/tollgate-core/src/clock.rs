@@ -92,8 +92,14 @@ mod tests {
 
     #[test]
     fn rejects_nonsense_and_far_dates() {
-        assert_eq!(UnixMillis::parse_rfc3339("tomorrow"), Err(TimeError::Format));
-        assert_eq!(UnixMillis::parse_rfc3339("2026-12-01"), Err(TimeError::Format));
+        assert_eq!(
+            UnixMillis::parse_rfc3339("tomorrow"),
+            Err(TimeError::Format)
+        );
+        assert_eq!(
+            UnixMillis::parse_rfc3339("2026-12-01"),
+            Err(TimeError::Format)
+        );
         assert_eq!(
             UnixMillis::parse_rfc3339("9999-12-31T23:59:59Z"),
             Err(TimeError::OutOfRange(9999))
@@ -103,6 +109,9 @@ mod tests {
     #[test]
     fn until_saturates_at_zero() {
         assert_eq!(UnixMillis(10).until(UnixMillis(5)), Duration::ZERO);
-        assert_eq!(UnixMillis(5).until(UnixMillis(10)), Duration::from_millis(5));
+        assert_eq!(
+            UnixMillis(5).until(UnixMillis(10)),
+            Duration::from_millis(5)
+        );
     }
 }

@@ -132,10 +132,7 @@ mod tests {
     fn tenant_charset_is_enforced() {
         assert!(TenantId::parse("acme").is_ok());
         assert!(TenantId::parse("eu-west:acme_2.prod").is_ok());
-        assert_eq!(
-            TenantId::parse(""),
-            Err(IdError::Empty { what: "tenant" })
-        );
+        assert_eq!(TenantId::parse(""), Err(IdError::Empty { what: "tenant" }));
         assert!(matches!(
             TenantId::parse("a{b}"),
             Err(IdError::BadChar { found: '{', .. })

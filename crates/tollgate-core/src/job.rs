@@ -95,7 +95,8 @@ pub fn decode(body: &[u8], limits: &Limits) -> Result<Job, Malformed> {
             max: limits.max_depth,
         });
     }
-    let wire: Wire<'_> = serde_json::from_slice(body).map_err(|e| Malformed::Json(e.to_string()))?;
+    let wire: Wire<'_> =
+        serde_json::from_slice(body).map_err(|e| Malformed::Json(e.to_string()))?;
     let id = JobId::parse(wire.id.as_ref())?;
     let tenant = TenantId::parse(wire.tenant.as_ref())?;
     let kind = match wire.kind {
@@ -238,7 +239,8 @@ mod tests {
 
     #[test]
     fn round_trips_through_to_json() {
-        let body = br#"{"id":"j1","tenant":"acme","due_at":"2026-12-01T09:00:00.5Z","payload":[1]}"#;
+        let body =
+            br#"{"id":"j1","tenant":"acme","due_at":"2026-12-01T09:00:00.5Z","payload":[1]}"#;
         let job = decode(body, &limits()).unwrap();
         let again = decode(&job.to_json(), &limits()).unwrap();
         assert_eq!(again.id, job.id);
@@ -288,7 +290,10 @@ mod tests {
             max_body_bytes: 1024,
             max_depth: 3,
         };
-        assert_eq!(decode(deep, &limits).unwrap_err(), Malformed::TooDeep { max: 3 });
+        assert_eq!(
+            decode(deep, &limits).unwrap_err(),
+            Malformed::TooDeep { max: 3 }
+        );
         // Brackets inside strings do not count.
         assert_eq!(nesting_depth(br#"{"a":"[[[[\"[["}"#), 1);
     }

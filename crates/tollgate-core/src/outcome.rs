@@ -121,10 +121,15 @@ pub const MAX_RETRY_AFTER: Duration = Duration::from_secs(3600);
 pub fn classify(response: &ProviderResponse, now: UnixMillis) -> ProviderOutcome {
     match response {
         ProviderResponse::Timeout | ProviderResponse::Transport => ProviderOutcome::Failed,
-        ProviderResponse::Status { status, retry_after } => match *status {
+        ProviderResponse::Status {
+            status,
+            retry_after,
+        } => match *status {
             200..=299 => ProviderOutcome::Sent,
             429 => ProviderOutcome::Throttled {
-                retry_after: retry_after.as_deref().and_then(|v| parse_retry_after(v, now)),
+                retry_after: retry_after
+                    .as_deref()
+                    .and_then(|v| parse_retry_after(v, now)),
             },
             408 | 500..=599 => ProviderOutcome::Failed,
             status => ProviderOutcome::Rejected { status },
@@ -150,7 +155,6 @@ pub fn http_date(at: UnixMillis) -> String {
     httpdate::fmt_http_date(UNIX_EPOCH + Duration::from_millis(at.0.max(0) as u64))
 }
 
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -174,8 +178,14 @@ mod tests {
         assert_eq!(classify(&status(408), now), ProviderOutcome::Failed);
         assert_eq!(classify(&status(500), now), ProviderOutcome::Failed);
         assert_eq!(classify(&status(503), now), ProviderOutcome::Failed);
-        assert_eq!(classify(&ProviderResponse::Timeout, now), ProviderOutcome::Failed);
-        assert_eq!(classify(&ProviderResponse::Transport, now), ProviderOutcome::Failed);
+        assert_eq!(
+            classify(&ProviderResponse::Timeout, now),
+            ProviderOutcome::Failed
+        );
+        assert_eq!(
+            classify(&ProviderResponse::Transport, now),
+            ProviderOutcome::Failed
+        );
         assert_eq!(
             classify(&status(400), now),
             ProviderOutcome::Rejected { status: 400 }

@@ -118,7 +118,10 @@ mod tests {
         assert!(matches!("20/d".parse::<Rate>(), Err(QuotaError::Format(_))));
         assert!(matches!("-1/s".parse::<Rate>(), Err(QuotaError::Format(_))));
         assert_eq!("0/s".parse::<Rate>(), Err(QuotaError::Zero));
-        assert!(matches!("2000000/s".parse::<Rate>(), Err(QuotaError::TooFast(_))));
+        assert!(matches!(
+            "2000000/s".parse::<Rate>(),
+            Err(QuotaError::TooFast(_))
+        ));
         assert_eq!(
             Quota::new("1/s".parse().unwrap(), 0),
             Err(QuotaError::ZeroBurst)

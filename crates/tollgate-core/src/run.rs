@@ -91,7 +91,10 @@ pub enum Action {
     /// Call the provider, then [`JobRun::on_provider`].
     CallProvider,
     /// Publish to the dead-letter exchange (confirmed), then ack.
-    DeadLetter { reason: DeadReason, detail: String },
+    DeadLetter {
+        reason: DeadReason,
+        detail: String,
+    },
     Complete(Completion),
 }
 
@@ -179,7 +182,11 @@ impl JobRun {
         decision: PermitDecision,
         now: UnixMillis,
     ) -> Action {
-        debug_assert_eq!(self.stage, Stage::Due, "a permit is asked for once per call");
+        debug_assert_eq!(
+            self.stage,
+            Stage::Due,
+            "a permit is asked for once per call"
+        );
         match decision {
             PermitDecision::Granted { delay } => {
                 self.stage = Stage::Granted;
@@ -214,7 +221,11 @@ impl JobRun {
         now: UnixMillis,
         jitter: f64,
     ) -> Action {
-        debug_assert_eq!(self.stage, Stage::Granted, "the provider is called with a permit");
+        debug_assert_eq!(
+            self.stage,
+            Stage::Granted,
+            "the provider is called with a permit"
+        );
         self.stage = Stage::Due;
         match outcome {
             ProviderOutcome::Sent => Action::Complete(Completion::Sent),
@@ -337,9 +348,7 @@ mod tests {
                 max: Duration::from_secs(60),
             },
             tiers: DelayTiers::new(
-                [1, 5, 30, 120, 600, 3600]
-                    .map(Duration::from_secs)
-                    .to_vec(),
+                [1, 5, 30, 120, 600, 3600].map(Duration::from_secs).to_vec(),
                 Duration::from_secs(1),
             )
             .unwrap(),
@@ -368,12 +377,22 @@ mod tests {
         let p = policy();
         let mut run = JobRun::new(&job(""), Progress::default(), T0);
         assert_eq!(run.next(&p, T0), Action::AskPermit);
-        let a = run.on_permit(&p, PermitDecision::Granted { delay: Duration::ZERO }, T0);
+        let a = run.on_permit(
+            &p,
+            PermitDecision::Granted {
+                delay: Duration::ZERO,
+            },
+            T0,
+        );
         assert_eq!(a, Action::CallProvider);
         assert_eq!(run.attempt(), 1);
         let a = run.on_provider(&p, ProviderOutcome::Sent, T0, 0.5);
         assert_eq!(a, Action::Complete(Completion::Sent));
-        assert_eq!(run.due_reference(), T0, "undated jobs are due when first seen");
+        assert_eq!(
+            run.due_reference(),
+            T0,
+            "undated jobs are due when first seen"
+        );
     }
 
     #[test]
@@ -393,7 +412,9 @@ mod tests {
         // carries its wait, so parking it again is a hop.
         let mut run = JobRun::new(&job(&due_in(3_400)), run.progress().clone(), at(1_010));
         let a = run.next(&p, at(1_010));
-        assert!(matches!(a, Action::Park { tier, hop: true, .. } if tier == Duration::from_secs(1)));
+        assert!(
+            matches!(a, Action::Park { tier, hop: true, .. } if tier == Duration::from_secs(1))
+        );
         // Under the hold limit: held in-process until exactly due.
         assert_eq!(
             run.next(&p, at(2_900)),
@@ -413,7 +434,11 @@ mod tests {
             }
         );
         assert_eq!(run.next(&p, at(3_400)), Action::AskPermit);
-        assert_eq!(run.progress().quota_wait, Duration::ZERO, "waiting to be due is not throttling");
+        assert_eq!(
+            run.progress().quota_wait,
+            Duration::ZERO,
+            "waiting to be due is not throttling"
+        );
     }
 
     #[test]
@@ -491,9 +516,18 @@ mod tests {
         let p = policy();
         let mut run = JobRun::new(&job(""), Progress::default(), T0);
         for attempt in 1..=3 {
-            assert_eq!(run.next(&p, at(i64::from(attempt) * 100_000)), Action::AskPermit);
+            assert_eq!(
+                run.next(&p, at(i64::from(attempt) * 100_000)),
+                Action::AskPermit
+            );
             let now = at(i64::from(attempt) * 100_000);
-            run.on_permit(&p, PermitDecision::Granted { delay: Duration::ZERO }, now);
+            run.on_permit(
+                &p,
+                PermitDecision::Granted {
+                    delay: Duration::ZERO,
+                },
+                now,
+            );
             assert_eq!(run.attempt(), attempt);
             let a = run.on_provider(&p, ProviderOutcome::Failed, now, 0.99);
             if attempt < 3 {
@@ -521,7 +555,13 @@ mod tests {
         let p = policy();
         let mut run = JobRun::new(&job(""), Progress::default(), T0);
         run.next(&p, T0);
-        run.on_permit(&p, PermitDecision::Granted { delay: Duration::ZERO }, T0);
+        run.on_permit(
+            &p,
+            PermitDecision::Granted {
+                delay: Duration::ZERO,
+            },
+            T0,
+        );
         let a = run.on_provider(
             &p,
             ProviderOutcome::Throttled {
@@ -549,7 +589,13 @@ mod tests {
         );
         let mut run = JobRun::new(&job(""), Progress::default(), T0);
         run.next(&p, T0);
-        run.on_permit(&p, PermitDecision::Granted { delay: Duration::ZERO }, T0);
+        run.on_permit(
+            &p,
+            PermitDecision::Granted {
+                delay: Duration::ZERO,
+            },
+            T0,
+        );
         assert_eq!(
             run.on_provider(&p, ProviderOutcome::Rejected { status: 422 }, T0, 0.0),
             Action::DeadLetter {
@@ -572,7 +618,11 @@ mod tests {
                 reason: Some(ParkReason::Backoff)
             }
         );
-        assert_eq!(run.next(&p, at(1_000)), Action::AskPermit, "asks again, never calls");
+        assert_eq!(
+            run.next(&p, at(1_000)),
+            Action::AskPermit,
+            "asks again, never calls"
+        );
     }
 
     #[test]
@@ -590,7 +640,10 @@ mod tests {
         );
         assert!(matches!(
             run.next(&p, at(800)),
-            Action::DeadLetter { reason: DeadReason::Expired, .. }
+            Action::DeadLetter {
+                reason: DeadReason::Expired,
+                ..
+            }
         ));
     }
 

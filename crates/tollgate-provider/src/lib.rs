@@ -93,7 +93,10 @@ impl Provider for HttpProvider {
         };
         let mut headers = HeaderMap::with_capacity(5);
         headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
-        headers.insert("idempotency-key", header_value(job.idempotency_key.as_str()));
+        headers.insert(
+            "idempotency-key",
+            header_value(job.idempotency_key.as_str()),
+        );
         headers.insert("x-tollgate-tenant", header_value(job.tenant.as_str()));
         headers.insert("x-tollgate-job-id", header_value(job.id.as_str()));
         headers.insert("x-tollgate-attempt", HeaderValue::from(call.attempt));

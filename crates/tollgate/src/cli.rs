@@ -40,7 +40,9 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Run a worker: consume jobs, take permits, call the provider.
-    #[command(after_help = "Example: TOLLGATE_PROVIDER_URL=http://127.0.0.1:8080/send tollgate worker")]
+    #[command(
+        after_help = "Example: TOLLGATE_PROVIDER_URL=http://127.0.0.1:8080/send tollgate worker"
+    )]
     Worker,
     /// Publish jobs to the jobs exchange (routing key = tenant).
     #[command(
@@ -226,7 +228,11 @@ pub async fn publish(config: &Config, args: &PublishArgs) -> anyhow::Result<()> 
 pub async fn quota(config: &Config, command: &QuotaCommand) -> anyhow::Result<()> {
     let store = quota_store(config)?;
     match command {
-        QuotaCommand::Set { tenant, rate, burst } => {
+        QuotaCommand::Set {
+            tenant,
+            rate,
+            burst,
+        } => {
             let tenant = TenantId::parse(tenant.as_str()).context("tenant")?;
             let rate: Rate = rate.parse().context("--rate")?;
             let quota = Quota::new(rate, *burst).context("--burst")?;
@@ -241,15 +247,24 @@ pub async fn quota(config: &Config, command: &QuotaCommand) -> anyhow::Result<()
                     "{tenant}: {} (set by {} at {})",
                     entry.quota,
                     entry.updated_by.as_deref().unwrap_or("?"),
-                    entry.updated_at_ms.map(|t| UnixMillis(t).to_string()).unwrap_or_default(),
+                    entry
+                        .updated_at_ms
+                        .map(|t| UnixMillis(t).to_string())
+                        .unwrap_or_default(),
                 ),
-                None => println!("{tenant}: no quota stored; the default {} applies", config.default_quota()?),
+                None => println!(
+                    "{tenant}: no quota stored; the default {} applies",
+                    config.default_quota()?
+                ),
             }
         }
         QuotaCommand::List => {
             let entries = store.list().await?;
             if entries.is_empty() {
-                println!("no quotas stored; every tenant gets the default {}", config.default_quota()?);
+                println!(
+                    "no quotas stored; every tenant gets the default {}",
+                    config.default_quota()?
+                );
             }
             println!("{:<32} {:>12} {:>6}  updated by", "TENANT", "RATE", "BURST");
             for (tenant, entry) in entries {
@@ -300,7 +315,8 @@ pub fn describe_dead_letter(delivery: &tollgate_amqp::lapin::message::Delivery) 
     let h = delivery.properties.headers().clone().unwrap_or_default();
     // Messages RabbitMQ itself dead-lettered (delivery limit) carry no
     // tollgate reason: those are poison.
-    let reason = headers::text(&h, headers::REASON).unwrap_or_else(|| DeadReason::Poison.as_str().into());
+    let reason =
+        headers::text(&h, headers::REASON).unwrap_or_else(|| DeadReason::Poison.as_str().into());
     let dead_at = match h.inner().get(headers::DEAD_AT_MS) {
         Some(tollgate_amqp::lapin::types::AMQPValue::LongLongInt(ms)) => Some(UnixMillis(*ms)),
         _ => None,
@@ -349,7 +365,9 @@ pub async fn dlq(config: &Config, command: &DlqCommand) -> anyhow::Result<()> {
             println!("{queue}: {depth} dead letter(s)");
             let mut counts = std::collections::BTreeMap::<(String, String), usize>::new();
             for l in &letters {
-                *counts.entry((l.reason.clone(), l.tenant.clone())).or_default() += 1;
+                *counts
+                    .entry((l.reason.clone(), l.tenant.clone()))
+                    .or_default() += 1;
             }
             if !counts.is_empty() {
                 println!("\n{:<12} {:<32} {:>8}", "REASON", "TENANT", "COUNT");
@@ -364,7 +382,9 @@ pub async fn dlq(config: &Config, command: &DlqCommand) -> anyhow::Result<()> {
             for l in letters.iter().take(*limit) {
                 println!(
                     "{}  {:<10} {:<20} {:<40} {}",
-                    l.dead_at.map(|t| t.to_string()).unwrap_or_else(|| "?".into()),
+                    l.dead_at
+                        .map(|t| t.to_string())
+                        .unwrap_or_else(|| "?".into()),
                     l.reason,
                     l.tenant,
                     l.job_id,

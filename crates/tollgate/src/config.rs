@@ -49,7 +49,9 @@ pub fn redact_url(raw: &str) -> String {
         return url.to_string();
     }
     match (raw.find("://"), raw.rfind('@')) {
-        (Some(scheme), Some(at)) if at > scheme => format!("{}REDACTED@{}", &raw[..scheme + 3], &raw[at + 1..]),
+        (Some(scheme), Some(at)) if at > scheme => {
+            format!("{}REDACTED@{}", &raw[..scheme + 3], &raw[at + 1..])
+        }
         _ => raw.to_owned(),
     }
 }
@@ -237,7 +239,10 @@ impl Config {
 
     pub fn tiers(&self) -> anyhow::Result<DelayTiers> {
         DelayTiers::new(
-            self.delay_tiers_ms.iter().map(|&ms| Duration::from_millis(ms)).collect(),
+            self.delay_tiers_ms
+                .iter()
+                .map(|&ms| Duration::from_millis(ms))
+                .collect(),
             Duration::from_millis(self.hold_max_ms),
         )
         .context("delay_tiers_ms")
@@ -270,7 +275,12 @@ impl Config {
     }
 
     pub fn topology(&self) -> anyhow::Result<Topology> {
-        Ok(Topology::new(&self.prefix, self.shards, &self.tiers()?, self.delivery_limit))
+        Ok(Topology::new(
+            &self.prefix,
+            self.shards,
+            &self.tiers()?,
+            self.delivery_limit,
+        ))
     }
 
     pub fn permit_settings(&self) -> anyhow::Result<PermitSettings> {
@@ -323,6 +333,7 @@ mod tests {
     use super::*;
 
     #[test]
+    #[allow(clippy::result_large_err)] // figment's Jail API returns figment::Error
     fn env_overrides_file_overrides_defaults() {
         figment::Jail::expect_with(|jail| {
             jail.create_file(
@@ -335,7 +346,10 @@ mod tests {
                 "#,
             )?;
             jail.set_env("TOLLGATE_CONCURRENCY", "16");
-            jail.set_env("TOLLGATE_PROVIDER_URL", "http://user:pw@provider.internal/send");
+            jail.set_env(
+                "TOLLGATE_PROVIDER_URL",
+                "http://user:pw@provider.internal/send",
+            );
             let config = Config::load(Some(Path::new("tollgate.toml"))).expect("loads");
             assert_eq!(config.prefix, "from-file");
             assert_eq!(config.concurrency, 16);
@@ -368,7 +382,12 @@ mod tests {
             permit_horizon_ms: 2_000,
             ..Config::default()
         };
-        assert!(bad.validate().unwrap_err().to_string().contains("permit_horizon_ms"));
+        assert!(
+            bad.validate()
+                .unwrap_err()
+                .to_string()
+                .contains("permit_horizon_ms")
+        );
         let bad = Config {
             default_rate: "lots".into(),
             ..Config::default()

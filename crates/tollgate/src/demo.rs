@@ -115,7 +115,9 @@ pub async fn run(base: &Config, args: &DemoArgs) -> anyhow::Result<()> {
     let store = cli::quota_store(&config)?;
     for plan in &PLANS {
         let quota = Quota::new(plan.rate.parse()?, plan.burst)?;
-        store.set(&TenantId::parse(plan.tenant)?, quota, "demo").await?;
+        store
+            .set(&TenantId::parse(plan.tenant)?, quota, "demo")
+            .await?;
     }
 
     println!(
@@ -125,7 +127,10 @@ pub async fn run(base: &Config, args: &DemoArgs) -> anyhow::Result<()> {
         provider.url()
     );
     for plan in &PLANS {
-        println!("  {:<10} {:>5} burst {}  {}", plan.tenant, plan.rate, plan.burst, plan.story);
+        println!(
+            "  {:<10} {:>5} burst {}  {}",
+            plan.tenant, plan.rate, plan.burst, plan.story
+        );
     }
 
     let metrics = Metrics::new(config.tenant_label_limit, &config.tenant_label_allowlist);
@@ -151,14 +156,19 @@ pub async fn run(base: &Config, args: &DemoArgs) -> anyhow::Result<()> {
             publish(&broker, &due, plan.tenant, plan.backlog, None).await?;
         }
         for i in 0..plan.scheduled {
-            let due_in = Duration::from_millis(3_000 + u64::from(i) * 12_000 / u64::from(plan.scheduled));
+            let due_in =
+                Duration::from_millis(3_000 + u64::from(i) * 12_000 / u64::from(plan.scheduled));
             publish(&broker, &due, plan.tenant, 1, Some(due_in)).await?;
         }
         *published.entry(plan.tenant).or_default() += plan.backlog + plan.scheduled;
     }
     let broker = Arc::new(broker);
     let live = Arc::new(Mutex::new(HashMap::<&'static str, u32>::new()));
-    let producer = tokio::spawn(live_traffic(Arc::clone(&broker), Arc::clone(&due), Arc::clone(&live)));
+    let producer = tokio::spawn(live_traffic(
+        Arc::clone(&broker),
+        Arc::clone(&due),
+        Arc::clone(&live),
+    ));
 
     let started = Instant::now();
     let tty = std::io::stdout().is_terminal();
@@ -166,9 +176,17 @@ pub async fn run(base: &Config, args: &DemoArgs) -> anyhow::Result<()> {
     while started.elapsed() < args.duration {
         tokio::time::sleep(Duration::from_secs(1)).await;
         ticks += 1;
-        if tty || ticks % 5 == 0 {
+        if tty || ticks.is_multiple_of(5) {
             let counts = totals(&published, &live.lock().expect("not poisoned"));
-            let table = render(&provider.received(), &due, &metrics, &counts, started.elapsed(), args.duration, clock.now());
+            let table = render(
+                &provider.received(),
+                &due,
+                &metrics,
+                &counts,
+                started.elapsed(),
+                args.duration,
+                clock.now(),
+            );
             if tty {
                 print!("\x1b[2J\x1b[H");
             }
@@ -184,7 +202,18 @@ pub async fn run(base: &Config, args: &DemoArgs) -> anyhow::Result<()> {
 
     let counts = totals(&published, &live.lock().expect("not poisoned"));
     let received = provider.received();
-    println!("\n{}", render(&received, &due, &metrics, &counts, started.elapsed(), args.duration, clock.now()));
+    println!(
+        "\n{}",
+        render(
+            &received,
+            &due,
+            &metrics,
+            &counts,
+            started.elapsed(),
+            args.duration,
+            clock.now()
+        )
+    );
     print!("{}", summary(&received, &due, start));
 
     broker.delete_topology().await?;
@@ -195,7 +224,8 @@ pub async fn run(base: &Config, args: &DemoArgs) -> anyhow::Result<()> {
 }
 
 fn totals(initial: &HashMap<&str, u32>, live: &HashMap<&'static str, u32>) -> HashMap<String, u32> {
-    let mut all: HashMap<String, u32> = initial.iter().map(|(k, v)| ((*k).to_owned(), *v)).collect();
+    let mut all: HashMap<String, u32> =
+        initial.iter().map(|(k, v)| ((*k).to_owned(), *v)).collect();
     for (k, v) in live {
         *all.entry((*k).to_owned()).or_default() += v;
     }
@@ -244,12 +274,16 @@ async fn live_traffic(
         n += 1;
         for plan in PLANS.iter().filter(|p| p.live_per_sec > 0) {
             // Every 10/live_per_sec ticks of 100 ms.
-            if n % (10 / u64::from(plan.live_per_sec)).max(1) == 0 {
+            if n.is_multiple_of((10 / u64::from(plan.live_per_sec)).max(1)) {
                 if let Err(e) = publish(&broker, &due, plan.tenant, 1, None).await {
                     tracing::warn!(error = %e, "demo publish failed");
                     continue;
                 }
-                *counts.lock().expect("not poisoned").entry(plan.tenant).or_default() += 1;
+                *counts
+                    .lock()
+                    .expect("not poisoned")
+                    .entry(plan.tenant)
+                    .or_default() += 1;
             }
         }
     }
@@ -299,11 +333,23 @@ fn render(
         "tollgate demo  {:>4.0} s / {:.0} s\n\n{:<10} {:>6} {:>9} {:>9} {:>6} {:>8} {:>7} {:>6} {:>14} {:>12}\n",
         elapsed.as_secs_f64(),
         total.as_secs_f64(),
-        "TENANT", "QUOTA", "PROVIDER", "PUBLISHED", "SENT", "PENDING", "PARKED", "429s", "RATE(5s)/QUOTA", "DUE LAG p95"
+        "TENANT",
+        "QUOTA",
+        "PROVIDER",
+        "PUBLISHED",
+        "SENT",
+        "PENDING",
+        "PARKED",
+        "429s",
+        "RATE(5s)/QUOTA",
+        "DUE LAG p95"
     );
     let mut all_sent = 0;
     for plan in &PLANS {
-        let mine: Vec<&Received> = received.iter().filter(|r| r.tenant == plan.tenant).collect();
+        let mine: Vec<&Received> = received
+            .iter()
+            .filter(|r| r.tenant == plan.tenant)
+            .collect();
         let sent = mine.iter().filter(|r| r.status == 200).count();
         all_sent += sent;
         let throttled = mine.iter().filter(|r| r.status == 429).count();
@@ -314,7 +360,11 @@ fn render(
         let parked = metrics.counter_sum("tollgate_parked_total", &[("tenant", plan.tenant)]);
         let publ = published.get(plan.tenant).copied().unwrap_or(0);
         let lags = due_lags(received, due, plan.tenant);
-        let quota_per_sec = plan.rate.parse::<tollgate_core::Rate>().map(|r| r.per_second()).unwrap_or(0.0);
+        let quota_per_sec = plan
+            .rate
+            .parse::<tollgate_core::Rate>()
+            .map(|r| r.per_second())
+            .unwrap_or(0.0);
         out.push_str(&format!(
             "{:<10} {:>6} {:>7}/s {:>9} {:>6} {:>8} {:>7.0} {:>6} {:>7.1} / {:<4} {:>12}\n",
             plan.tenant,
@@ -345,7 +395,10 @@ fn summary(received: &[Received], due: &DueTimes, start: UnixMillis) -> String {
         "TENANT", "QUOTA", "ACHIEVED RATE", "MAX IN 1s", "429s", "LAG p50", "LAG p95", "LAG max"
     ));
     for plan in &PLANS {
-        let mine: Vec<&Received> = received.iter().filter(|r| r.tenant == plan.tenant).collect();
+        let mine: Vec<&Received> = received
+            .iter()
+            .filter(|r| r.tenant == plan.tenant)
+            .collect();
         let ok: Vec<&Received> = mine.iter().copied().filter(|r| r.status == 200).collect();
         let rate = match (ok.first(), ok.last()) {
             (Some(a), Some(b)) if ok.len() > 1 => {

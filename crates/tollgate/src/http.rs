@@ -45,7 +45,10 @@ pub fn router(metrics: Metrics, ready: Arc<dyn ReadyCheck>) -> Router {
 
 async fn metrics_handler(State(state): State<AppState>) -> impl IntoResponse {
     (
-        [(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
         state.metrics.render(),
     )
 }
@@ -72,7 +75,10 @@ pub async fn serve(
         .map_err(|e| anyhow::anyhow!("binding the HTTP port {addr}: {e}"))?;
     let bound = listener.local_addr()?;
     let task = tokio::spawn(async move {
-        if let Err(e) = axum::serve(listener, router).with_graceful_shutdown(shutdown).await {
+        if let Err(e) = axum::serve(listener, router)
+            .with_graceful_shutdown(shutdown)
+            .await
+        {
             tracing::error!(error = %e, "HTTP server failed");
         }
     });

@@ -48,7 +48,9 @@ async fn run(command: Command, config: Config) -> anyhow::Result<()> {
 
 async fn worker(config: Config) -> anyhow::Result<()> {
     if config.routes()?.is_empty() {
-        anyhow::bail!("no provider route: set TOLLGATE_PROVIDER_URL (or [routes] in the config file)");
+        anyhow::bail!(
+            "no provider route: set TOLLGATE_PROVIDER_URL (or [routes] in the config file)"
+        );
     }
     let metrics = Metrics::new(config.tenant_label_limit, &config.tenant_label_allowlist);
     let worker = Arc::new(LiveWorker::connect(&config, metrics.clone()).await?);

@@ -17,8 +17,8 @@ use tollgate_core::{
 /// Milliseconds to a day, with the SLO thresholds 0.1 s, 1 s and 60 s on
 /// bucket boundaries (due lag can be hours when a queue backs up).
 pub const WAIT_BUCKETS: &[f64] = &[
-    0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0,
-    900.0, 1800.0, 3600.0, 7200.0, 21600.0, 86400.0,
+    0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0,
+    1800.0, 3600.0, 7200.0, 21600.0, 86400.0,
 ];
 
 /// Provider latency: a few milliseconds to the longest sensible timeout.
@@ -88,16 +88,29 @@ struct Inner {
 #[derive(Clone)]
 pub struct Metrics(Arc<Inner>);
 
-fn histogram(registry: &Registry, name: &str, help: &str, labels: &[&str], buckets: &[f64]) -> HistogramVec {
-    let h = HistogramVec::new(HistogramOpts::new(name, help).buckets(buckets.to_vec()), labels)
-        .expect("valid histogram");
-    registry.register(Box::new(h.clone())).expect("registered once");
+fn histogram(
+    registry: &Registry,
+    name: &str,
+    help: &str,
+    labels: &[&str],
+    buckets: &[f64],
+) -> HistogramVec {
+    let h = HistogramVec::new(
+        HistogramOpts::new(name, help).buckets(buckets.to_vec()),
+        labels,
+    )
+    .expect("valid histogram");
+    registry
+        .register(Box::new(h.clone()))
+        .expect("registered once");
     h
 }
 
 fn counter(registry: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
     let c = IntCounterVec::new(Opts::new(name, help), labels).expect("valid counter");
-    registry.register(Box::new(c.clone())).expect("registered once");
+    registry
+        .register(Box::new(c.clone()))
+        .expect("registered once");
     c
 }
 
@@ -109,20 +122,31 @@ impl Metrics {
             "Times a tenant beyond the label allowlist and first-N limit was reported as `other`.",
         )
         .expect("valid counter");
-        registry.register(Box::new(overflow.clone())).expect("registered once");
+        registry
+            .register(Box::new(overflow.clone()))
+            .expect("registered once");
         let in_flight = IntGauge::new(
             "tollgate_jobs_in_flight",
             "Deliveries this pod holds right now (being processed or held until due).",
         )
         .expect("valid gauge");
-        registry.register(Box::new(in_flight.clone())).expect("registered once");
+        registry
+            .register(Box::new(in_flight.clone()))
+            .expect("registered once");
         let build_info = IntGaugeVec::new(
-            Opts::new("tollgate_build_info", "Always 1; the labels say which build is running."),
+            Opts::new(
+                "tollgate_build_info",
+                "Always 1; the labels say which build is running.",
+            ),
             &["version"],
         )
         .expect("valid gauge");
-        registry.register(Box::new(build_info.clone())).expect("registered once");
-        build_info.with_label_values(&[env!("CARGO_PKG_VERSION")]).set(1);
+        registry
+            .register(Box::new(build_info.clone()))
+            .expect("registered once");
+        build_info
+            .with_label_values(&[env!("CARGO_PKG_VERSION")])
+            .set(1);
 
         let r = &registry;
         let inner = Inner {
@@ -132,36 +156,70 @@ impl Metrics {
                 seen: Mutex::new(HashSet::new()),
                 overflow,
             },
-            queue_age: histogram(r, "tollgate_queue_age_seconds",
+            queue_age: histogram(
+                r,
+                "tollgate_queue_age_seconds",
                 "How long a delivery waited in its work queue before this pod received it.",
-                &["tenant"], WAIT_BUCKETS),
-            due_lag: histogram(r, "tollgate_due_lag_seconds",
+                &["tenant"],
+                WAIT_BUCKETS,
+            ),
+            due_lag: histogram(
+                r,
+                "tollgate_due_lag_seconds",
                 "How late after its due time (due_at, or when first seen) a job's first provider call started.",
-                &["tenant"], WAIT_BUCKETS),
-            quota_wait: histogram(r, "tollgate_quota_wait_seconds",
+                &["tenant"],
+                WAIT_BUCKETS,
+            ),
+            quota_wait: histogram(
+                r,
+                "tollgate_quota_wait_seconds",
                 "Intentional throttling a job went through (quota denials, reservations, 429 waits), recorded at its final outcome.",
-                &["tenant"], WAIT_BUCKETS),
-            permit_decisions: counter(r, "tollgate_permit_decisions_total",
+                &["tenant"],
+                WAIT_BUCKETS,
+            ),
+            permit_decisions: counter(
+                r,
+                "tollgate_permit_decisions_total",
                 "Permit decisions made in Redis, by tenant and decision.",
-                &["tenant", "decision"]),
-            provider_requests: counter(r, "tollgate_provider_requests_total",
+                &["tenant", "decision"],
+            ),
+            provider_requests: counter(
+                r,
+                "tollgate_provider_requests_total",
                 "Provider calls by tenant, route and classified outcome (sent, throttled, failed, rejected).",
-                &["tenant", "route", "outcome"]),
-            provider_duration: histogram(r, "tollgate_provider_request_duration_seconds",
+                &["tenant", "route", "outcome"],
+            ),
+            provider_duration: histogram(
+                r,
+                "tollgate_provider_request_duration_seconds",
                 "Provider call latency by route and outcome.",
-                &["route", "outcome"], LATENCY_BUCKETS),
-            jobs_completed: counter(r, "tollgate_jobs_completed_total",
+                &["route", "outcome"],
+                LATENCY_BUCKETS,
+            ),
+            jobs_completed: counter(
+                r,
+                "tollgate_jobs_completed_total",
                 "Jobs that reached a final outcome (sent, duplicate, dead_lettered), by tenant.",
-                &["tenant", "outcome"]),
-            parked: counter(r, "tollgate_parked_total",
+                &["tenant", "outcome"],
+            ),
+            parked: counter(
+                r,
+                "tollgate_parked_total",
                 "Waits that parked a job in the delay tiers (once per wait, not per tier hop), by tenant and reason.",
-                &["tenant", "reason"]),
-            dead_letters: counter(r, "tollgate_dead_letters_total",
+                &["tenant", "reason"],
+            ),
+            dead_letters: counter(
+                r,
+                "tollgate_dead_letters_total",
                 "Jobs published to the dead-letter queue, by tenant and reason.",
-                &["tenant", "reason"]),
-            tier_publishes: counter(r, "tollgate_tier_publishes_total",
+                &["tenant", "reason"],
+            ),
+            tier_publishes: counter(
+                r,
+                "tollgate_tier_publishes_total",
                 "Copies published to a delay tier, by tier; a long wait takes several hops through the tiers.",
-                &["tier"]),
+                &["tier"],
+            ),
             in_flight,
             registry,
         };
@@ -186,11 +244,17 @@ impl Metrics {
     }
 
     pub fn queue_age(&self, tenant: &str, age: Duration) {
-        self.0.queue_age.with_label_values(&[tenant]).observe(age.as_secs_f64());
+        self.0
+            .queue_age
+            .with_label_values(&[tenant])
+            .observe(age.as_secs_f64());
     }
 
     pub fn due_lag(&self, tenant: &str, lag: Duration) {
-        self.0.due_lag.with_label_values(&[tenant]).observe(lag.as_secs_f64());
+        self.0
+            .due_lag
+            .with_label_values(&[tenant])
+            .observe(lag.as_secs_f64());
     }
 
     pub fn permit(&self, tenant: &str, decision: &PermitDecision) {
@@ -202,7 +266,10 @@ impl Metrics {
 
     pub fn provider(&self, tenant: &str, route: &str, outcome: ProviderOutcome, took: Duration) {
         let outcome = outcome.as_str();
-        self.0.provider_requests.with_label_values(&[tenant, route, outcome]).inc();
+        self.0
+            .provider_requests
+            .with_label_values(&[tenant, route, outcome])
+            .inc();
         self.0
             .provider_duration
             .with_label_values(&[route, outcome])
@@ -217,19 +284,37 @@ impl Metrics {
     }
 
     pub fn parked(&self, tenant: &str, reason: ParkReason) {
-        self.0.parked.with_label_values(&[tenant, reason.as_str()]).inc();
+        self.0
+            .parked
+            .with_label_values(&[tenant, reason.as_str()])
+            .inc();
     }
 
     /// A final outcome: counts it and records the job's quota wait.
     pub fn completed(&self, tenant: &str, completion: Completion, quota_wait: Duration) {
-        self.0.jobs_completed.with_label_values(&[tenant, completion.as_str()]).inc();
-        self.0.quota_wait.with_label_values(&[tenant]).observe(quota_wait.as_secs_f64());
+        self.0
+            .jobs_completed
+            .with_label_values(&[tenant, completion.as_str()])
+            .inc();
+        self.0
+            .quota_wait
+            .with_label_values(&[tenant])
+            .observe(quota_wait.as_secs_f64());
     }
 
     pub fn dead_lettered(&self, tenant: &str, reason: DeadReason, quota_wait: Duration) {
-        self.0.dead_letters.with_label_values(&[tenant, reason.as_str()]).inc();
-        self.0.jobs_completed.with_label_values(&[tenant, "dead_lettered"]).inc();
-        self.0.quota_wait.with_label_values(&[tenant]).observe(quota_wait.as_secs_f64());
+        self.0
+            .dead_letters
+            .with_label_values(&[tenant, reason.as_str()])
+            .inc();
+        self.0
+            .jobs_completed
+            .with_label_values(&[tenant, "dead_lettered"])
+            .inc();
+        self.0
+            .quota_wait
+            .with_label_values(&[tenant])
+            .observe(quota_wait.as_secs_f64());
     }
 
     pub fn in_flight(&self) -> &IntGauge {
@@ -246,7 +331,9 @@ impl Metrics {
             .flat_map(|family| family.get_metric())
             .filter(|m| {
                 labels.iter().all(|(k, v)| {
-                    m.get_label().iter().any(|l| l.name() == *k && l.value() == *v)
+                    m.get_label()
+                        .iter()
+                        .any(|l| l.name() == *k && l.value() == *v)
                 })
             })
             .map(|m| m.get_counter().get_value())
@@ -266,8 +353,16 @@ mod tests {
         assert_eq!(metrics.tenant("b"), "b");
         assert_eq!(metrics.tenant("c"), OTHER_TENANT);
         assert_eq!(metrics.tenant("a"), "a", "seen tenants keep their label");
-        assert_eq!(metrics.tenant("vip"), "vip", "allowlisted tenants do not use a slot");
-        assert!(metrics.render().contains("tollgate_tenant_label_overflow_total 1"));
+        assert_eq!(
+            metrics.tenant("vip"),
+            "vip",
+            "allowlisted tenants do not use a slot"
+        );
+        assert!(
+            metrics
+                .render()
+                .contains("tollgate_tenant_label_overflow_total 1")
+        );
     }
 
     #[test]
@@ -276,7 +371,12 @@ mod tests {
         metrics.queue_age("acme", Duration::from_millis(20));
         metrics.due_lag("acme", Duration::from_millis(20));
         metrics.permit("acme", &PermitDecision::Duplicate);
-        metrics.provider("acme", "default", ProviderOutcome::Sent, Duration::from_millis(3));
+        metrics.provider(
+            "acme",
+            "default",
+            ProviderOutcome::Sent,
+            Duration::from_millis(3),
+        );
         metrics.parked("acme", ParkReason::Quota);
         metrics.tier_publish(Duration::from_secs(5));
         metrics.completed("acme", Completion::Sent, Duration::ZERO);

@@ -7,8 +7,8 @@
 
 use std::collections::HashMap;
 use std::future::Future;
-use std::sync::{Arc, Mutex};
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
@@ -123,7 +123,8 @@ impl LiveWorker {
         )
         .await?;
         let redis = Arc::new(Redis::new(&config.redis_settings())?);
-        let permits = RedisPermits::new(redis, Keys::new(&config.prefix), config.permit_settings()?);
+        let permits =
+            RedisPermits::new(redis, Keys::new(&config.prefix), config.permit_settings()?);
         let provider = HttpProvider::new(
             config.routes()?,
             Duration::from_millis(config.provider_timeout_ms),
@@ -215,7 +216,10 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
         })
         .await;
         if drained.is_err() {
-            warn!(left = tasks.len(), "grace period over: unsettled deliveries return to their queue");
+            warn!(
+                left = tasks.len(),
+                "grace period over: unsettled deliveries return to their queue"
+            );
             tasks.abort_all();
         }
         consumption.control.close().await;
@@ -260,7 +264,10 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
         };
         let tenant = self.metrics.tenant(job.tenant.as_str());
         if let Some(entered) = progress.enqueued_at.or_else(|| {
-            delivery.properties.timestamp().map(|s| UnixMillis(s as i64 * 1000))
+            delivery
+                .properties
+                .timestamp()
+                .map(|s| UnixMillis(s as i64 * 1000))
         }) {
             self.metrics.queue_age(&tenant, entered.until(now));
         }
@@ -308,7 +315,8 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
         let tenant = tollgate_core::TenantId::parse(delivery.routing_key.as_str())
             .map(|t| self.metrics.tenant(t.as_str()))
             .unwrap_or_else(|_| UNKNOWN_TENANT.to_owned());
-        self.metrics.dead_lettered(&tenant, DeadReason::Malformed, Duration::ZERO);
+        self.metrics
+            .dead_lettered(&tenant, DeadReason::Malformed, Duration::ZERO);
         warn!(decision = "dead_lettered", reason = "malformed", detail = %detail, "malformed message");
         Ok(Settled::DeadLettered(DeadReason::Malformed))
     }
@@ -342,7 +350,10 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
                         action = run.park_instead(&self.policy, now, until, reason);
                         continue;
                     };
-                    debug!(decision = "held", wait_ms = now.until(until).as_millis() as u64);
+                    debug!(
+                        decision = "held",
+                        wait_ms = now.until(until).as_millis() as u64
+                    );
                     tokio::time::sleep(now.until(until)).await;
                     now = self.clock.now();
                     run.next(&self.policy, now)
@@ -357,11 +368,19 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
                         enqueued_at: Some(now.saturating_add(tier)),
                         ..run.progress().clone()
                     };
-                    self.broker.park(delivery, &job.tenant, &progress, tier).await?;
+                    self.broker
+                        .park(delivery, &job.tenant, &progress, tier)
+                        .await?;
                     self.metrics.tier_publish(tier);
                     if !hop {
                         self.metrics.parked(tenant, reason);
-                        self.log_decision(job, &run, "parked", now.until(until), Some(reason.as_str()));
+                        self.log_decision(
+                            job,
+                            &run,
+                            "parked",
+                            now.until(until),
+                            Some(reason.as_str()),
+                        );
                     }
                     return Ok(Settled::Parked(reason));
                 }
@@ -396,13 +415,21 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
                     self.broker
                         .dead_letter(delivery, Some(run.progress()), reason, &detail, now)
                         .await?;
-                    self.metrics.dead_lettered(tenant, reason, run.progress().quota_wait);
-                    self.log_decision(job, &run, "dead_lettered", Duration::ZERO, Some(reason.as_str()));
+                    self.metrics
+                        .dead_lettered(tenant, reason, run.progress().quota_wait);
+                    self.log_decision(
+                        job,
+                        &run,
+                        "dead_lettered",
+                        Duration::ZERO,
+                        Some(reason.as_str()),
+                    );
                     warn!(reason = reason.as_str(), detail = %detail, "dead-lettered");
                     return Ok(Settled::DeadLettered(reason));
                 }
                 Action::Complete(completion) => {
-                    self.metrics.completed(tenant, completion, run.progress().quota_wait);
+                    self.metrics
+                        .completed(tenant, completion, run.progress().quota_wait);
                     self.log_decision(job, &run, completion.as_str(), Duration::ZERO, None);
                     return Ok(Settled::Completed(completion));
                 }
@@ -432,7 +459,14 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
     }
 
     /// One structured line per decision. Never the payload.
-    fn log_decision(&self, job: &Job, run: &JobRun, decision: &str, wait: Duration, reason: Option<&str>) {
+    fn log_decision(
+        &self,
+        job: &Job,
+        run: &JobRun,
+        decision: &str,
+        wait: Duration,
+        reason: Option<&str>,
+    ) {
         info!(
             job_id = %job.id,
             tenant_id = %job.tenant,
