@@ -252,3 +252,28 @@ where
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+/// The `tollgate` binary built next to this test (`make test` builds it
+/// before running the tests).
+pub fn tollgate_bin() -> std::path::PathBuf {
+    let exe = std::env::current_exe().expect("test binary path");
+    let dir = exe
+        .parent()
+        .and_then(|deps| deps.parent())
+        .expect("target/<profile>/deps");
+    let bin = dir.join("tollgate");
+    assert!(
+        bin.exists(),
+        "{} is missing: build it first (`cargo build -p tollgate`; `make test` does)",
+        bin.display()
+    );
+    bin
+}
+
+/// A free TCP port on 127.0.0.1.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}

@@ -15,6 +15,9 @@ pub use keys::Keys;
 pub use permit::{PermitSettings, RedisPermits};
 pub use store::{QuotaEntry, QuotaStore};
 
+/// Re-exported for tools that talk to the same Redis (bench, tests).
+pub use redis::{Script, cmd as redis_cmd};
+
 /// Errors from the Redis adapters. Callers act on one distinction: the
 /// store could not be reached (fail closed, retry later) versus it answered
 /// something that makes no sense (a bug or a corrupted key).

@@ -58,6 +58,9 @@ pub enum Command {
     /// Inspect the dead-letter queue.
     #[command(subcommand)]
     Dlq(DlqCommand),
+    /// Measure throughput and the permit path; writes target/bench/report.{json,md}.
+    #[command(after_help = "Example: tollgate bench --jobs 10000 --runs 3")]
+    Bench(crate::bench::BenchArgs),
     /// A self-contained live demonstration on the local RabbitMQ and Redis.
     #[command(after_help = "Example: tollgate demo --duration 30s --workers 3")]
     Demo(DemoArgs),

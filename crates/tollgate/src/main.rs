@@ -43,6 +43,7 @@ async fn run(command: Command, config: Config) -> anyhow::Result<()> {
         Command::Topology(cmd) => cli::topology(&config, &cmd).await,
         Command::Dlq(cmd) => cli::dlq(&config, &cmd).await,
         Command::Demo(args) => tollgate::demo::run(&config, &args).await,
+        Command::Bench(args) => tollgate::bench::run(&config, &args).await,
     }
 }
 

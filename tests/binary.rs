@@ -1,0 +1,210 @@
+//! The `tollgate` binary end to end: CLI verbs, the worker process with its
+//! HTTP endpoints, and a graceful exit on SIGTERM.
+
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use tollgate_tests::{FakeProvider, TestEnv, fake_provider, free_port, tollgate_bin, wait_for};
+
+/// Runs `tollgate <args>` against this test's prefix; returns stdout.
+fn tollgate(env: &TestEnv, args: &[&str]) -> String {
+    let out = Command::new(tollgate_bin())
+        .args(args)
+        .env("TOLLGATE_PREFIX", &env.config.prefix)
+        .env("TOLLGATE_SHARDS", env.config.shards.to_string())
+        .output()
+        .expect("tollgate runs");
+    assert!(
+        out.status.success(),
+        "tollgate {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).expect("utf-8 output")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_binary_runs_a_worker_and_every_verb_works() {
+    let provider = FakeProvider::start(fake_provider::always_ok())
+        .await
+        .unwrap();
+    let env = TestEnv::new(&provider.url()).await;
+
+    let out = tollgate(&env, &["topology", "declare"]);
+    assert!(
+        out.contains(&format!("{}.jobs", env.config.prefix)),
+        "{out}"
+    );
+    let out = tollgate(
+        &env,
+        &["quota", "set", "acme", "--rate", "50/s", "--burst", "2"],
+    );
+    assert_eq!(out.trim(), "acme: 50/s burst 2");
+    let out = tollgate(&env, &["quota", "get", "acme"]);
+    assert!(out.starts_with("acme: 50/s burst 2 (set by cli:"), "{out}");
+    let out = tollgate(&env, &["quota", "get", "nobody"]);
+    assert!(out.contains("the default 10/s burst 1 applies"), "{out}");
+    let out = tollgate(&env, &["quota", "list"]);
+    assert!(
+        out.lines()
+            .any(|l| l.starts_with("acme") && l.contains("50/s")),
+        "{out}"
+    );
+
+    let port = free_port();
+    let mut worker = Command::new(tollgate_bin())
+        .arg("worker")
+        .env("TOLLGATE_PREFIX", &env.config.prefix)
+        .env("TOLLGATE_SHARDS", env.config.shards.to_string())
+        .env("TOLLGATE_PROVIDER_URL", provider.url())
+        .env("TOLLGATE_HTTP_ADDR", format!("127.0.0.1:{port}"))
+        .env("TOLLGATE_LOG_FORMAT", "json")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("worker starts");
+    let http = reqwest::Client::new();
+    let base = format!("http://127.0.0.1:{port}");
+    wait_for("/readyz to answer 200", Duration::from_secs(20), || async {
+        http.get(format!("{base}/readyz"))
+            .send()
+            .await
+            .is_ok_and(|r| r.status() == 200)
+    })
+    .await;
+    let health = http.get(format!("{base}/healthz")).send().await.unwrap();
+    assert_eq!(health.status(), 200);
+
+    tollgate(
+        &env,
+        &[
+            "publish",
+            "--tenant",
+            "acme",
+            "--count",
+            "20",
+            "--payload",
+            r#"{"to":"x"}"#,
+        ],
+    );
+    tollgate(
+        &env,
+        &[
+            "publish", "--tenant", "acme", "--due-in", "1500ms", "--id", "later-1",
+        ],
+    );
+    wait_for("21 sends", Duration::from_secs(20), || async {
+        provider.accepted() >= 21
+    })
+    .await;
+    let later = provider
+        .received()
+        .into_iter()
+        .find(|r| r.job_id == "later-1")
+        .unwrap();
+    assert_eq!(later.body, "{}");
+    assert!(
+        provider
+            .received()
+            .iter()
+            .filter(|r| r.job_id != "later-1")
+            .all(|r| r.body == r#"{"to":"x"}"#)
+    );
+
+    let metrics = http
+        .get(format!("{base}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    for line in [
+        r#"tollgate_jobs_completed_total{outcome="sent",tenant="acme"} 21"#,
+        r#"tollgate_provider_requests_total{outcome="sent",route="default",tenant="acme"} 21"#,
+        r#"tollgate_parked_total{reason="not_due",tenant="acme"} 1"#,
+        "tollgate_jobs_in_flight 0",
+    ] {
+        assert!(metrics.contains(line), "missing {line:?} in\n{metrics}");
+    }
+    for family in [
+        "tollgate_queue_age_seconds_bucket",
+        "tollgate_due_lag_seconds_bucket",
+        "tollgate_quota_wait_seconds_bucket",
+    ] {
+        assert!(
+            metrics.contains(&format!("{family}{{tenant=\"acme\"")),
+            "{family} missing"
+        );
+    }
+
+    // A malformed message shows up in `dlq list`.
+    env.publish_raw("acme", b"{oops").await;
+    wait_for("the dead letter", Duration::from_secs(10), || async {
+        !env.dead_letters().await.is_empty()
+    })
+    .await;
+    let out = tollgate(&env, &["dlq", "list"]);
+    assert!(out.contains("1 dead letter"), "{out}");
+    assert!(
+        out.lines().any(|l| l.starts_with("malformed")
+            && l.contains("acme")
+            && l.trim_end().ends_with('1')),
+        "{out}"
+    );
+    assert!(out.contains("body is not a valid job"), "{out}");
+
+    // SIGTERM: the worker drains and exits 0.
+    let pid = worker.id().to_string();
+    assert!(
+        Command::new("kill")
+            .args(["-TERM", &pid])
+            .status()
+            .unwrap()
+            .success()
+    );
+    let status = tokio::task::spawn_blocking(move || {
+        let status = worker.wait().expect("wait for worker");
+        let mut logs = String::new();
+        use std::io::Read;
+        worker
+            .stderr
+            .take()
+            .unwrap()
+            .read_to_string(&mut logs)
+            .unwrap();
+        (status, logs)
+    })
+    .await
+    .unwrap();
+    assert!(
+        status.0.success(),
+        "worker exit: {:?}\n{}",
+        status.0,
+        status.1
+    );
+    // One JSON line per decision, never the payload.
+    let decisions: Vec<serde_json::Value> = status
+        .1
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .filter(|v: &serde_json::Value| v["message"] == "decision")
+        .collect();
+    assert!(decisions.len() >= 21, "{} decision lines", decisions.len());
+    for d in &decisions {
+        for field in [
+            "job_id",
+            "tenant_id",
+            "decision",
+            "wait_ms",
+            "attempt",
+            "idempotency_key",
+        ] {
+            assert!(!d[field].is_null(), "{field} missing in {d}");
+        }
+    }
+    assert!(
+        !status.1.contains(r#"\"to\":\"x\""#) && !status.1.contains(r#""to":"x""#),
+        "payload leaked into logs"
+    );
+    env.cleanup().await;
+}
