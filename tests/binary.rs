@@ -38,15 +38,21 @@ async fn the_binary_runs_a_worker_and_every_verb_works() {
         &env,
         &["quota", "set", "acme", "--rate", "50/s", "--burst", "2"],
     );
-    assert_eq!(out.trim(), "acme: 50/s burst 2");
+    assert_eq!(out.trim(), "tenant:acme: default quota → 50/s burst 2");
     let out = tollgate(&env, &["quota", "get", "acme"]);
-    assert!(out.starts_with("acme: 50/s burst 2 (set by cli:"), "{out}");
+    assert!(
+        out.starts_with("tenant:acme: 50/s burst 2 (changed by cli:"),
+        "{out}"
+    );
     let out = tollgate(&env, &["quota", "get", "nobody"]);
-    assert!(out.contains("the default 10/s burst 1 applies"), "{out}");
+    assert!(
+        out.contains("the default 10/s burst 1 (from config) applies"),
+        "{out}"
+    );
     let out = tollgate(&env, &["quota", "list"]);
     assert!(
         out.lines()
-            .any(|l| l.starts_with("acme") && l.contains("50/s")),
+            .any(|l| l.starts_with("tenant:acme") && l.contains("50/s burst 2")),
         "{out}"
     );
 

@@ -14,7 +14,7 @@ use tollgate::{LiveWorker, Metrics};
 use tollgate_amqp::lapin::BasicProperties;
 use tollgate_amqp::{Broker, job_properties};
 use tollgate_core::{Job, Quota, TenantId, UnixMillis};
-use tollgate_quota::QuotaStore;
+use tollgate_quota::{Actor, Change, QuotaStore, Target};
 
 pub use tollgate::fake_provider::{self, FakeProvider, Received, Reply};
 
@@ -95,10 +95,21 @@ impl TestEnv {
 
     pub async fn set_quota(&self, tenant: &str, rate: &str, burst: u32) {
         let quota = Quota::new(rate.parse().expect("valid rate"), burst).expect("valid quota");
-        self.quotas
-            .set(&Self::tenant(tenant), quota, "test")
+        cli::set_tenant_quota(&self.quotas, tenant, quota, "test")
             .await
             .expect("quota set");
+    }
+
+    /// Applies a quota change as the admin would.
+    pub async fn change(&self, target: Target, change: Change) {
+        let actor = Actor {
+            who: "test".into(),
+            source: "cli",
+        };
+        self.quotas
+            .apply(&target, change, &actor)
+            .await
+            .expect("change applied");
     }
 
     /// Starts a worker with this env's config, adjusted by `tweak`.

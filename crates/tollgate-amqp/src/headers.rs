@@ -13,6 +13,7 @@ pub const QUOTA_WAIT_MS: &str = "x-tollgate-quota-wait-ms";
 pub const NOT_BEFORE_MS: &str = "x-tollgate-not-before-ms";
 pub const PARK_REASON: &str = "x-tollgate-park-reason";
 pub const ENQUEUED_MS: &str = "x-tollgate-enqueued-ms";
+pub const SLOT_INTERVAL_US: &str = "x-tollgate-slot-interval-us";
 /// On dead letters: `malformed`, `expired`, `rejected`, `exhausted`, `poison`.
 pub const REASON: &str = "x-tollgate-reason";
 /// On dead letters: the precise cause, for humans.
@@ -84,6 +85,7 @@ pub fn read_progress(headers: Option<&FieldTable>) -> Result<Progress, Malformed
         not_before: int(h, NOT_BEFORE_MS)?.map(UnixMillis),
         park_reason,
         enqueued_at: int(h, ENQUEUED_MS)?.map(UnixMillis),
+        slot_interval: int(h, SLOT_INTERVAL_US)?.map(|us| Duration::from_micros(us as u64)),
     })
 }
 
@@ -102,6 +104,10 @@ pub fn write_progress(headers: &mut FieldTable, progress: &Progress) {
     set(QUOTA_WAIT_MS, Some(progress.quota_wait.as_millis() as i64));
     set(NOT_BEFORE_MS, progress.not_before.map(|t| t.0));
     set(ENQUEUED_MS, progress.enqueued_at.map(|t| t.0));
+    set(
+        SLOT_INTERVAL_US,
+        progress.slot_interval.map(|d| d.as_micros() as i64),
+    );
     match progress.park_reason {
         Some(r) => {
             headers.insert(
@@ -137,6 +143,7 @@ mod tests {
             not_before: Some(UnixMillis(9_000)),
             park_reason: Some(ParkReason::Throttled),
             enqueued_at: Some(UnixMillis(8_000)),
+            slot_interval: Some(Duration::from_micros(50_000)),
         };
         let mut headers = FieldTable::default();
         write_progress(&mut headers, &progress);

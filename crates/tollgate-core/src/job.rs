@@ -203,6 +203,8 @@ pub struct Progress {
     pub park_reason: Option<ParkReason>,
     /// When this copy (re)entered the work queue, for `queue_age`.
     pub enqueued_at: Option<UnixMillis>,
+    /// Spacing of the line the job's place (quota wait) is in.
+    pub slot_interval: Option<Duration>,
 }
 
 #[cfg(test)]

@@ -22,5 +22,5 @@ pub use ids::{IdempotencyKey, JobId, Kind, TenantId};
 pub use job::{Job, Malformed, Progress};
 pub use outcome::{DeadReason, ParkReason, ProviderOutcome};
 pub use quota::{Quota, Rate};
-pub use run::{Action, Completion, JobRun, PermitDecision, Policy};
+pub use run::{Action, Completion, Eligibility, JobRun, PermitDecision, Policy, Shadow};
 pub use tiers::DelayTiers;

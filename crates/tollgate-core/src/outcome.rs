@@ -51,10 +51,18 @@ pub enum ParkReason {
     Backoff,
     /// The provider answered 429.
     Throttled,
+    /// The tenant is paused.
+    Paused,
 }
 
 impl ParkReason {
-    pub const ALL: [ParkReason; 4] = [Self::NotDue, Self::Quota, Self::Backoff, Self::Throttled];
+    pub const ALL: [ParkReason; 5] = [
+        Self::NotDue,
+        Self::Quota,
+        Self::Backoff,
+        Self::Throttled,
+        Self::Paused,
+    ];
 
     pub fn as_str(self) -> &'static str {
         match self {
@@ -62,6 +70,7 @@ impl ParkReason {
             Self::Quota => "quota",
             Self::Backoff => "backoff",
             Self::Throttled => "throttled",
+            Self::Paused => "paused",
         }
     }
 

@@ -5,20 +5,35 @@
 
 use std::future::Future;
 
-use crate::ids::{IdempotencyKey, JobId, TenantId};
+use crate::ids::{IdempotencyKey, JobId, Kind, TenantId};
 use crate::job::Job;
 use crate::outcome::ProviderResponse;
-use crate::run::PermitDecision;
+use crate::run::{Eligibility, PermitDecision};
 
-/// Identifies one permit request: the tenant's bucket, the job's idempotency
-/// key, and a token naming this attempt as the holder of the in-flight lease.
+/// Identifies one permit request: the tenant's bucket, the route's shared
+/// bucket, the job's idempotency key, and a token naming this attempt as the
+/// holder of the in-flight lease.
 #[derive(Clone, Copy, Debug)]
 pub struct PermitRequest<'a> {
     pub tenant: &'a TenantId,
+    /// The provider route (the job's kind).
+    pub route: &'a Kind,
     /// Stored in the sent record, so "who sent this key" has an answer.
     pub job_id: &'a JobId,
     pub key: &'a IdempotencyKey,
     pub lease_token: &'a str,
+    /// The job is back from a quota wait: decided by the fleet, never from
+    /// a pod's local cache, and it keeps its place if still denied.
+    pub returning: Option<Returning>,
+}
+
+/// A job back from (a hop of) a quota wait.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Returning {
+    /// Time still left until its place in line.
+    pub remaining: std::time::Duration,
+    /// Spacing its place was computed with.
+    pub interval: Option<std::time::Duration>,
 }
 
 /// The fleet-wide permit decision (one atomic call) and its bookkeeping.
@@ -34,11 +49,14 @@ pub trait PermitStore: Send + Sync + 'static {
     /// A round trip, for readiness probes.
     fn ping(&self) -> impl Future<Output = Result<(), Self::Error>> + Send;
 
-    /// After a provider call: record the key when `sent`, release the lease.
+    /// After a provider call: record the key when `sent`, release the lease
+    /// and concurrency slot, and on a 429 push the tenant's and route's
+    /// buckets `penalty` forward so every pod backs off.
     fn complete(
         &self,
         req: PermitRequest<'_>,
         sent: bool,
+        penalty: Option<std::time::Duration>,
     ) -> impl Future<Output = Result<(), Self::Error>> + Send;
 }
 
@@ -53,6 +71,9 @@ pub struct ProviderCall<'a> {
 pub trait Provider: Send + Sync + 'static {
     /// The route a job goes to, or `None` when its kind has no route.
     fn route(&self, job: &Job) -> Option<&str>;
+
+    /// Asks the route's eligibility webhook; `Eligible` when it has none.
+    fn eligibility(&self, job: &Job) -> impl Future<Output = Eligibility> + Send;
 
     fn call(&self, call: ProviderCall<'_>) -> impl Future<Output = ProviderResponse> + Send;
 }

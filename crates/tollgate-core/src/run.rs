@@ -26,8 +26,23 @@ pub struct Policy {
     pub tiers: DelayTiers,
     /// Wait before asking again when the permit store cannot be reached.
     pub unavailable_retry: Duration,
+    /// Longest single hop of a quota wait. At each hop the job asks the
+    /// permit store again: it keeps its place, re-spaced if the quota
+    /// changed, or is sent at once when a raised quota has room. Bounds how
+    /// long a raise takes to reach jobs already parked.
+    pub quota_recheck: Duration,
     /// Wait after a 429 that carried no usable `Retry-After`.
     pub default_retry_after: Duration,
+}
+
+/// What a tenant's shadow quota would have decided for a granted send.
+/// Computed and counted, never enforced.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Shadow {
+    /// No shadow quota is set.
+    None,
+    Allow,
+    Deny,
 }
 
 /// The permit store's answer for one job.
@@ -35,13 +50,26 @@ pub struct Policy {
 pub enum PermitDecision {
     /// A permit is reserved for `now + delay` (zero: send now). The delay is
     /// bounded by the store's reservation horizon.
-    Granted { delay: Duration },
-    /// Over quota; ask again in `retry_in`.
-    Denied { retry_in: Duration },
+    Granted { delay: Duration, shadow: Shadow },
+    /// Over quota; come back in `retry_in` (the job's place in line).
+    Denied {
+        retry_in: Duration,
+        /// Spacing of the line the place is in (carried with the job, so a
+        /// quota change can re-space its place).
+        interval: Option<Duration>,
+        /// The job kept the place it already had (a hop, not a new wait).
+        kept: bool,
+    },
     /// The idempotency key is already recorded as sent.
     Duplicate,
     /// Another copy of this job holds the in-flight lease.
     InFlight { retry_in: Duration },
+    /// The tenant is paused: park, consume nothing, look again later.
+    Paused { retry_in: Duration },
+    /// The job (or its idempotency key) was cancelled: skip it.
+    Cancelled,
+    /// The tenant has its maximum of provider calls in flight.
+    AtConcurrency { retry_in: Duration },
     /// The store could not be reached: fail closed, no call without a permit.
     Unavailable,
 }
@@ -53,6 +81,8 @@ pub enum Completion {
     Sent,
     /// Already sent earlier: ack without a call.
     Duplicate,
+    /// Cancelled, or the eligibility webhook said 410: ack without a call.
+    Skipped,
 }
 
 impl Completion {
@@ -60,8 +90,20 @@ impl Completion {
         match self {
             Self::Sent => "sent",
             Self::Duplicate => "duplicate",
+            Self::Skipped => "skipped",
         }
     }
+}
+
+/// The answer of a route's eligibility webhook ("is this still true?").
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Eligibility {
+    /// 200, or the route has no webhook.
+    Eligible,
+    /// 410: skip the job, consuming no quota.
+    Skip,
+    /// Anything else: ask again later; never send without an answer.
+    Unavailable,
 }
 
 /// What the runtime must do next.
@@ -86,6 +128,8 @@ pub enum Action {
         /// through the tiers, not a new park.
         hop: bool,
     },
+    /// Ask the route's eligibility webhook, then [`JobRun::on_eligibility`].
+    CheckEligibility,
     /// Ask the permit store, then call [`JobRun::on_permit`].
     AskPermit,
     /// Call the provider, then [`JobRun::on_provider`].
@@ -107,6 +151,12 @@ enum Stage {
 }
 
 /// One job's way through the pipeline, for one delivery.
+///
+/// ```text
+/// Due ──(due, not expired)──▶ CheckEligibility ──Eligible──▶ AskPermit ──Granted──▶ CallProvider
+///  ▲                               │ Skip → Complete(Skipped)    │ Denied/Paused/… → wait
+///  └───────── waits (hold or park) ┴─────────────────────────────┘
+/// ```
 #[derive(Clone, Debug)]
 pub struct JobRun {
     due_at: Option<UnixMillis>,
@@ -116,6 +166,8 @@ pub struct JobRun {
     /// The wait this copy was parked for, if any: parking it again for the
     /// same wait is a hop, not a new park.
     arrived_waiting: Option<(UnixMillis, ParkReason)>,
+    /// This delivery already re-asked the permit store on its way back.
+    rechecked: bool,
 }
 
 impl JobRun {
@@ -125,6 +177,7 @@ impl JobRun {
             due_at: job.due_at,
             expires_at: job.expires_at,
             arrived_waiting: progress.not_before.zip(progress.park_reason),
+            rechecked: false,
             progress,
             stage: Stage::Due,
         }
@@ -141,6 +194,20 @@ impl JobRun {
         self.due_at
             .or(self.progress.first_seen)
             .expect("first_seen is set in new")
+    }
+
+    /// When the job comes back from a quota wait (to its place in line, or
+    /// from a hop of it): the time still left until its place, and the
+    /// spacing the place was computed with. The permit store must decide
+    /// such a job itself, never from a pod's local cache.
+    pub fn returning(&self, now: UnixMillis) -> Option<crate::ports::Returning> {
+        if self.progress.park_reason != Some(ParkReason::Quota) {
+            return None;
+        }
+        Some(crate::ports::Returning {
+            remaining: now.until(self.progress.not_before?),
+            interval: self.progress.slot_interval,
+        })
     }
 
     /// The attempt number of the next provider call (1-based), as sent in
@@ -160,7 +227,7 @@ impl JobRun {
                 let not_before = self.progress.not_before.filter(|&t| t > now);
                 let due = self.due_at.filter(|&t| t > now);
                 match (due, not_before) {
-                    (None, None) => Action::AskPermit,
+                    (None, None) => Action::CheckEligibility,
                     (Some(due), nb) if nb.is_none_or(|nb| due >= nb) => {
                         self.progress.not_before = Some(due);
                         self.progress.park_reason = Some(ParkReason::NotDue);
@@ -168,10 +235,36 @@ impl JobRun {
                     }
                     (_, Some(nb)) => {
                         let reason = self.progress.park_reason.unwrap_or(ParkReason::Backoff);
+                        let back_from_hop = self.arrived_waiting == Some((nb, reason));
+                        if reason == ParkReason::Quota
+                            && back_from_hop
+                            && !self.rechecked
+                            && now.until(nb) > policy.hold_max
+                        {
+                            // Back from a hop of a long quota wait: ask
+                            // again (keep the place, or go if there is room).
+                            self.rechecked = true;
+                            return Action::AskPermit;
+                        }
                         self.wait_action(policy, now, nb, reason)
                     }
                     (Some(_), None) => unreachable!("covered by the guard above"),
                 }
+            }
+        }
+    }
+
+    pub fn on_eligibility(
+        &mut self,
+        policy: &Policy,
+        eligibility: Eligibility,
+        now: UnixMillis,
+    ) -> Action {
+        match eligibility {
+            Eligibility::Eligible => Action::AskPermit,
+            Eligibility::Skip => Action::Complete(Completion::Skipped),
+            Eligibility::Unavailable => {
+                self.begin_wait(policy, now, policy.unavailable_retry, ParkReason::Backoff)
             }
         }
     }
@@ -188,7 +281,7 @@ impl JobRun {
             "a permit is asked for once per call"
         );
         match decision {
-            PermitDecision::Granted { delay } => {
+            PermitDecision::Granted { delay, .. } => {
                 self.stage = Stage::Granted;
                 if delay.is_zero() {
                     Action::CallProvider
@@ -200,12 +293,28 @@ impl JobRun {
                     }
                 }
             }
-            PermitDecision::Denied { retry_in } => {
+            PermitDecision::Denied {
+                retry_in,
+                interval,
+                kept,
+            } => {
+                self.progress.slot_interval = interval.or(self.progress.slot_interval);
+                if kept {
+                    // Same wait, maybe re-spaced: a hop, not a new park.
+                    self.arrived_waiting = Some((now.saturating_add(retry_in), ParkReason::Quota));
+                }
                 self.begin_wait(policy, now, retry_in, ParkReason::Quota)
             }
             PermitDecision::Duplicate => Action::Complete(Completion::Duplicate),
             PermitDecision::InFlight { retry_in } => {
                 self.begin_wait(policy, now, retry_in, ParkReason::Backoff)
+            }
+            PermitDecision::Paused { retry_in } => {
+                self.begin_wait(policy, now, retry_in, ParkReason::Paused)
+            }
+            PermitDecision::Cancelled => Action::Complete(Completion::Skipped),
+            PermitDecision::AtConcurrency { retry_in } => {
+                self.begin_wait(policy, now, retry_in, ParkReason::Quota)
             }
             PermitDecision::Unavailable => {
                 self.begin_wait(policy, now, policy.unavailable_retry, ParkReason::Backoff)
@@ -270,11 +379,14 @@ impl JobRun {
         reason: ParkReason,
     ) -> Action {
         let until = now.saturating_add(wait);
+        if reason.is_quota_wait() {
+            // Count only what this wait adds beyond one still running (a kept
+            // place re-spaced by a quota change adds the difference).
+            let running_until = self.progress.not_before.filter(|&t| t > now).unwrap_or(now);
+            self.progress.quota_wait += running_until.until(until);
+        }
         self.progress.not_before = Some(until);
         self.progress.park_reason = Some(reason);
-        if reason.is_quota_wait() {
-            self.progress.quota_wait += wait;
-        }
         if wait.is_zero() {
             return self.next(policy, now);
         }
@@ -291,7 +403,11 @@ impl JobRun {
         reason: ParkReason,
     ) -> Action {
         let remaining = now.until(until);
-        match policy.tiers.pick(remaining) {
+        let hop = match reason {
+            ParkReason::Quota => remaining.min(policy.quota_recheck.max(policy.hold_max)),
+            _ => remaining,
+        };
+        match policy.tiers.pick(hop) {
             Some(tier) if remaining > policy.hold_max => Action::Park {
                 until,
                 reason,
@@ -339,6 +455,11 @@ mod tests {
     use crate::job::{Limits, decode};
     use proptest::prelude::*;
 
+    const GRANTED: PermitDecision = PermitDecision::Granted {
+        delay: Duration::ZERO,
+        shadow: Shadow::None,
+    };
+
     fn policy() -> Policy {
         Policy {
             hold_max: Duration::from_secs(1),
@@ -353,6 +474,7 @@ mod tests {
             )
             .unwrap(),
             unavailable_retry: Duration::from_secs(1),
+            quota_recheck: Duration::from_secs(5),
             default_retry_after: Duration::from_secs(1),
         }
     }
@@ -376,14 +498,12 @@ mod tests {
     fn a_due_job_asks_for_a_permit_and_is_sent() {
         let p = policy();
         let mut run = JobRun::new(&job(""), Progress::default(), T0);
-        assert_eq!(run.next(&p, T0), Action::AskPermit);
-        let a = run.on_permit(
-            &p,
-            PermitDecision::Granted {
-                delay: Duration::ZERO,
-            },
-            T0,
+        assert_eq!(run.next(&p, T0), Action::CheckEligibility);
+        assert_eq!(
+            run.on_eligibility(&p, Eligibility::Eligible, T0),
+            Action::AskPermit
         );
+        let a = run.on_permit(&p, GRANTED, T0);
         assert_eq!(a, Action::CallProvider);
         assert_eq!(run.attempt(), 1);
         let a = run.on_provider(&p, ProviderOutcome::Sent, T0, 0.5);
@@ -433,7 +553,7 @@ mod tests {
                 hop: true,
             }
         );
-        assert_eq!(run.next(&p, at(3_400)), Action::AskPermit);
+        assert_eq!(run.next(&p, at(3_400)), Action::CheckEligibility);
         assert_eq!(
             run.progress().quota_wait,
             Duration::ZERO,
@@ -450,6 +570,7 @@ mod tests {
             &p,
             PermitDecision::Granted {
                 delay: Duration::from_millis(80),
+                shadow: Shadow::None,
             },
             T0,
         );
@@ -461,7 +582,11 @@ mod tests {
             },
             "a reservation must be held, never parked"
         );
-        assert_eq!(run.next(&p, at(80)), Action::CallProvider);
+        assert_eq!(
+            run.next(&p, at(80)),
+            Action::CallProvider,
+            "no second permit, no second eligibility check"
+        );
         assert_eq!(run.progress().quota_wait, Duration::from_millis(80));
     }
 
@@ -474,6 +599,8 @@ mod tests {
             &p,
             PermitDecision::Denied {
                 retry_in: Duration::from_millis(7_500),
+                interval: None,
+                kept: false,
             },
             T0,
         );
@@ -488,11 +615,17 @@ mod tests {
         );
         assert_eq!(run.progress().quota_wait, Duration::from_millis(7_500));
         assert_eq!(run.progress().not_before, Some(at(7_500)));
-        // The copy comes back: the wait continues under the same reason and is
-        // not counted twice.
+        // The copy comes back from its hop: it asks again, keeps its place,
+        // and the wait goes on as a hop, not counted twice.
         let mut back = JobRun::new(&job(""), run.progress().clone(), at(5_004));
+        assert_eq!(back.next(&p, at(5_004)), Action::AskPermit);
+        let kept = PermitDecision::Denied {
+            retry_in: Duration::from_millis(2_496),
+            interval: Some(Duration::from_millis(100)),
+            kept: true,
+        };
         assert_eq!(
-            back.next(&p, at(5_004)),
+            back.on_permit(&p, kept, at(5_004)),
             Action::Park {
                 until: at(7_500),
                 reason: ParkReason::Quota,
@@ -502,13 +635,65 @@ mod tests {
         );
         assert_eq!(back.progress().quota_wait, Duration::from_millis(7_500));
         assert_eq!(
+            back.progress().slot_interval,
+            Some(Duration::from_millis(100))
+        );
+        assert_eq!(
             back.next(&p, at(6_600)),
             Action::Hold {
                 until: at(7_500),
                 reason: Some(ParkReason::Quota)
             }
         );
-        assert_eq!(back.next(&p, at(7_500)), Action::AskPermit);
+        assert_eq!(back.next(&p, at(7_500)), Action::CheckEligibility);
+    }
+
+    #[test]
+    fn long_quota_waits_hop_and_recheck_so_a_raised_quota_reaches_them() {
+        let p = policy();
+        let mut run = JobRun::new(&job(""), Progress::default(), T0);
+        run.next(&p, T0);
+        let denied = PermitDecision::Denied {
+            retry_in: Duration::from_secs(40),
+            interval: Some(Duration::from_millis(200)),
+            kept: false,
+        };
+        // 40 s to wait, but hops are capped at quota_recheck (5 s).
+        assert!(matches!(
+            run.on_permit(&p, denied, T0),
+            Action::Park { tier, hop: false, .. } if tier == Duration::from_secs(5)
+        ));
+        let mut back = JobRun::new(&job(""), run.progress().clone(), at(5_003));
+        assert_eq!(
+            back.returning(at(5_003)),
+            Some(crate::ports::Returning {
+                remaining: Duration::from_millis(34_997),
+                interval: Some(Duration::from_millis(200)),
+            })
+        );
+        assert_eq!(back.next(&p, at(5_003)), Action::AskPermit);
+        // The quota was raised 4x meanwhile: the store re-spaces the place.
+        let respaced = PermitDecision::Denied {
+            retry_in: Duration::from_millis(8_749),
+            interval: Some(Duration::from_millis(50)),
+            kept: true,
+        };
+        assert!(matches!(
+            back.on_permit(&p, respaced, at(5_003)),
+            Action::Park { hop: true, .. }
+        ));
+        assert_eq!(
+            back.progress().quota_wait,
+            Duration::from_secs(40),
+            "a shorter place adds no wait"
+        );
+        // Or the raised quota has room right away.
+        let mut lucky = JobRun::new(&job(""), run.progress().clone(), at(5_003));
+        lucky.next(&p, at(5_003));
+        assert_eq!(
+            lucky.on_permit(&p, GRANTED, at(5_003)),
+            Action::CallProvider
+        );
     }
 
     #[test]
@@ -518,16 +703,10 @@ mod tests {
         for attempt in 1..=3 {
             assert_eq!(
                 run.next(&p, at(i64::from(attempt) * 100_000)),
-                Action::AskPermit
+                Action::CheckEligibility
             );
             let now = at(i64::from(attempt) * 100_000);
-            run.on_permit(
-                &p,
-                PermitDecision::Granted {
-                    delay: Duration::ZERO,
-                },
-                now,
-            );
+            run.on_permit(&p, GRANTED, now);
             assert_eq!(run.attempt(), attempt);
             let a = run.on_provider(&p, ProviderOutcome::Failed, now, 0.99);
             if attempt < 3 {
@@ -555,13 +734,7 @@ mod tests {
         let p = policy();
         let mut run = JobRun::new(&job(""), Progress::default(), T0);
         run.next(&p, T0);
-        run.on_permit(
-            &p,
-            PermitDecision::Granted {
-                delay: Duration::ZERO,
-            },
-            T0,
-        );
+        run.on_permit(&p, GRANTED, T0);
         let a = run.on_provider(
             &p,
             ProviderOutcome::Throttled {
@@ -589,13 +762,7 @@ mod tests {
         );
         let mut run = JobRun::new(&job(""), Progress::default(), T0);
         run.next(&p, T0);
-        run.on_permit(
-            &p,
-            PermitDecision::Granted {
-                delay: Duration::ZERO,
-            },
-            T0,
-        );
+        run.on_permit(&p, GRANTED, T0);
         assert_eq!(
             run.on_provider(&p, ProviderOutcome::Rejected { status: 422 }, T0, 0.0),
             Action::DeadLetter {
@@ -603,6 +770,49 @@ mod tests {
                 detail: "provider answered 422".into(),
             }
         );
+    }
+
+    #[test]
+    fn paused_cancelled_and_ineligible_jobs_consume_nothing() {
+        let p = policy();
+        let mut run = JobRun::new(&job(""), Progress::default(), T0);
+        run.next(&p, T0);
+        let a = run.on_permit(
+            &p,
+            PermitDecision::Paused {
+                retry_in: Duration::from_secs(5),
+            },
+            T0,
+        );
+        assert!(matches!(
+            a,
+            Action::Park {
+                reason: ParkReason::Paused,
+                ..
+            }
+        ));
+        assert_eq!(run.attempt(), 1);
+        let mut run = JobRun::new(&job(""), Progress::default(), T0);
+        run.next(&p, T0);
+        assert_eq!(
+            run.on_permit(&p, PermitDecision::Cancelled, T0),
+            Action::Complete(Completion::Skipped)
+        );
+        let mut run = JobRun::new(&job(""), Progress::default(), T0);
+        run.next(&p, T0);
+        assert_eq!(
+            run.on_eligibility(&p, Eligibility::Skip, T0),
+            Action::Complete(Completion::Skipped)
+        );
+        let mut run = JobRun::new(&job(""), Progress::default(), T0);
+        run.next(&p, T0);
+        assert!(matches!(
+            run.on_eligibility(&p, Eligibility::Unavailable, T0),
+            Action::Hold {
+                reason: Some(ParkReason::Backoff),
+                ..
+            }
+        ));
     }
 
     #[test]
@@ -620,7 +830,7 @@ mod tests {
         );
         assert_eq!(
             run.next(&p, at(1_000)),
-            Action::AskPermit,
+            Action::CheckEligibility,
             "asks again, never calls"
         );
     }
@@ -630,11 +840,13 @@ mod tests {
         let p = policy();
         let extra = format!(r#","expires_at":"{}""#, at(500).to_rfc3339());
         let mut run = JobRun::new(&job(&extra), Progress::default(), T0);
-        assert_eq!(run.next(&p, T0), Action::AskPermit);
+        assert_eq!(run.next(&p, T0), Action::CheckEligibility);
         run.on_permit(
             &p,
             PermitDecision::Denied {
                 retry_in: Duration::from_millis(800),
+                interval: None,
+                kept: false,
             },
             T0,
         );
@@ -669,7 +881,7 @@ mod tests {
                         prop_assert!(now.until(until) <= p.hold_max);
                         now = until;
                     }
-                    Action::AskPermit => break,
+                    Action::CheckEligibility => break,
                     other => prop_assert!(false, "unexpected {other:?}"),
                 }
             }
@@ -687,11 +899,11 @@ mod tests {
             loop {
                 match run.next(&p, now) {
                     Action::Hold { until, .. } | Action::Park { until, .. } => { now = until; continue; }
-                    Action::AskPermit => {}
+                    Action::CheckEligibility => {}
                     other => prop_assert!(false, "unexpected {other:?}"),
                 }
                 prop_assert_eq!(
-                    run.on_permit(&p, PermitDecision::Granted { delay: Duration::ZERO }, now),
+                    run.on_permit(&p, GRANTED, now),
                     Action::CallProvider
                 );
                 let outcome = if throttles.next().unwrap_or(false) {

@@ -9,9 +9,9 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use reqwest::header::{CONTENT_TYPE, HeaderMap, HeaderValue, RETRY_AFTER};
-use tollgate_core::Job;
 use tollgate_core::outcome::ProviderResponse;
 use tollgate_core::ports::{Provider, ProviderCall};
+use tollgate_core::{Eligibility, Job};
 use url::Url;
 
 #[derive(Debug, thiserror::Error)]
@@ -27,18 +27,30 @@ pub enum ProviderError {
 pub struct Route {
     pub kind: String,
     pub url: Url,
+    /// Asked before each permit: 200 = send, 410 = skip (no quota used).
+    pub eligibility_url: Option<Url>,
 }
 
 impl Route {
-    pub fn new(kind: impl Into<String>, url: Url) -> Result<Self, ProviderError> {
+    pub fn new(
+        kind: impl Into<String>,
+        url: Url,
+        eligibility_url: Option<Url>,
+    ) -> Result<Self, ProviderError> {
         let kind = kind.into();
-        if !matches!(url.scheme(), "http" | "https") {
-            return Err(ProviderError::Scheme {
-                kind,
-                url: redact(&url),
-            });
+        for u in std::iter::once(&url).chain(eligibility_url.as_ref()) {
+            if !matches!(u.scheme(), "http" | "https") {
+                return Err(ProviderError::Scheme {
+                    kind,
+                    url: redact(u),
+                });
+            }
         }
-        Ok(Self { kind, url })
+        Ok(Self {
+            kind,
+            url,
+            eligibility_url,
+        })
     }
 }
 
@@ -80,9 +92,53 @@ fn header_value(s: &str) -> HeaderValue {
     })
 }
 
+/// The contract headers of a call about `job`.
+fn job_headers(job: &Job, attempt: u32) -> HeaderMap {
+    let mut headers = HeaderMap::with_capacity(5);
+    headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    headers.insert(
+        "idempotency-key",
+        header_value(job.idempotency_key.as_str()),
+    );
+    headers.insert("x-tollgate-tenant", header_value(job.tenant.as_str()));
+    headers.insert("x-tollgate-job-id", header_value(job.id.as_str()));
+    headers.insert("x-tollgate-attempt", HeaderValue::from(attempt));
+    headers
+}
+
 impl Provider for HttpProvider {
     fn route(&self, job: &Job) -> Option<&str> {
         self.routes.get(job.kind.as_str()).map(|r| r.kind.as_str())
+    }
+
+    /// POSTs the same headers and body as the provider call would.
+    async fn eligibility(&self, job: &Job) -> Eligibility {
+        let Some(url) = self
+            .routes
+            .get(job.kind.as_str())
+            .and_then(|r| r.eligibility_url.as_ref())
+        else {
+            return Eligibility::Eligible;
+        };
+        let answer = self
+            .client
+            .post(url.clone())
+            .headers(job_headers(job, 0))
+            .body(job.payload.get().to_owned())
+            .send()
+            .await;
+        match answer.map(|r| r.status().as_u16()) {
+            Ok(200) => Eligibility::Eligible,
+            Ok(410) => Eligibility::Skip,
+            Ok(status) => {
+                tracing::warn!(status, kind = %job.kind, "eligibility webhook answered neither 200 nor 410");
+                Eligibility::Unavailable
+            }
+            Err(e) => {
+                tracing::warn!(error = %e.without_url(), kind = %job.kind, "eligibility webhook unreachable");
+                Eligibility::Unavailable
+            }
+        }
     }
 
     async fn call(&self, call: ProviderCall<'_>) -> ProviderResponse {
@@ -91,19 +147,10 @@ impl Provider for HttpProvider {
             // The runtime checks the route before asking for a permit.
             return ProviderResponse::Transport;
         };
-        let mut headers = HeaderMap::with_capacity(5);
-        headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
-        headers.insert(
-            "idempotency-key",
-            header_value(job.idempotency_key.as_str()),
-        );
-        headers.insert("x-tollgate-tenant", header_value(job.tenant.as_str()));
-        headers.insert("x-tollgate-job-id", header_value(job.id.as_str()));
-        headers.insert("x-tollgate-attempt", HeaderValue::from(call.attempt));
         let sent = self
             .client
             .post(route.url.clone())
-            .headers(headers)
+            .headers(job_headers(job, call.attempt))
             .body(job.payload.get().to_owned())
             .send()
             .await;
@@ -147,7 +194,7 @@ mod tests {
     fn refuses_non_http_routes() {
         let url = Url::parse("file:///etc/passwd").unwrap();
         assert!(matches!(
-            Route::new("default", url),
+            Route::new("default", url, None),
             Err(ProviderError::Scheme { .. })
         ));
     }

@@ -1,8 +1,16 @@
-//! Redis key layout. All keys of one tenant share the `{tenant}` hash tag.
-//! Tenants are validated to `[A-Za-z0-9._:-]`, so a tenant can never close
-//! the tag or reach another tenant's keys.
+//! Redis key layout. The keys of one tenant share the `{tenant}` hash tag and
+//! the keys of one route share `{route:<kind>}`. Tenants are validated to
+//! `[A-Za-z0-9._:-]`, so a tenant can never close a tag or reach another
+//! tenant's keys.
+//!
+//! Redis Cluster: every key of a tenant lands in one slot. The permit script
+//! also reads the route's keys and the default quota, and quota changes
+//! append to one audit stream: on a single Redis (or a primary with
+//! replicas) that is one atomic call; on a Cluster those live in other slots,
+//! so the route decision becomes a separate reserve-then-refund call
+//! (docs/operations.md describes that path).
 
-use tollgate_core::{IdempotencyKey, TenantId};
+use tollgate_core::{IdempotencyKey, JobId, Kind, TenantId};
 
 #[derive(Clone, Debug)]
 pub struct Keys {
@@ -20,37 +28,100 @@ impl Keys {
         &self.prefix
     }
 
-    /// Hash: `count`, `period_ms`, `burst` (+ who/when of the last change).
+    fn tenant_key(&self, what: &str, tenant: &TenantId) -> String {
+        format!("{}:{what}:{{{tenant}}}", self.prefix)
+    }
+
+    fn route_key(&self, what: &str, route: &Kind) -> String {
+        format!("{}:{what}:{{route:{route}}}", self.prefix)
+    }
+
+    /// Hash: `count`, `period_ms`, `burst`, `concurrency`, `paused`,
+    /// `shadow_count`, `shadow_period_ms`, `shadow_burst`, and who/when of
+    /// the last change.
     pub fn quota(&self, tenant: &TenantId) -> String {
-        format!("{}:quota:{{{tenant}}}", self.prefix)
+        self.tenant_key("quota", tenant)
     }
 
     /// The GCRA theoretical arrival time, in microseconds of Redis time.
     pub fn tat(&self, tenant: &TenantId) -> String {
-        format!("{}:tat:{{{tenant}}}", self.prefix)
+        self.tenant_key("tat", tenant)
     }
 
     /// The tenant's virtual queue of denied jobs (next free virtual slot).
     pub fn waiting(&self, tenant: &TenantId) -> String {
-        format!("{}:waiting:{{{tenant}}}", self.prefix)
+        self.tenant_key("waiting", tenant)
+    }
+
+    /// Set after a provider 429: no send before this instant.
+    pub fn penalty(&self, tenant: &TenantId) -> String {
+        self.tenant_key("penalty", tenant)
+    }
+
+    /// Sorted set of the tenant's in-flight calls (lease token → expiry).
+    pub fn in_flight(&self, tenant: &TenantId) -> String {
+        self.tenant_key("inflight", tenant)
+    }
+
+    pub fn shadow_tat(&self, tenant: &TenantId) -> String {
+        self.tenant_key("shadow-tat", tenant)
     }
 
     /// Present once the key was sent; holds the job id.
     pub fn sent(&self, tenant: &TenantId, key: &IdempotencyKey) -> String {
-        format!("{}:sent:{{{tenant}}}:{key}", self.prefix)
+        format!("{}:{key}", self.tenant_key("sent", tenant))
     }
 
     /// The in-flight lease of one idempotency key.
     pub fn lease(&self, tenant: &TenantId, key: &IdempotencyKey) -> String {
-        format!("{}:lease:{{{tenant}}}:{key}", self.prefix)
+        format!("{}:{key}", self.tenant_key("lease", tenant))
     }
 
-    /// Set of tenants with a stored quota (for `quota list`).
+    pub fn cancelled_id(&self, tenant: &TenantId, id: &JobId) -> String {
+        format!("{}:id:{id}", self.tenant_key("cancel", tenant))
+    }
+
+    pub fn cancelled_key(&self, tenant: &TenantId, key: &IdempotencyKey) -> String {
+        format!("{}:key:{key}", self.tenant_key("cancel", tenant))
+    }
+
+    pub fn route_quota(&self, route: &Kind) -> String {
+        self.route_key("quota", route)
+    }
+
+    pub fn route_tat(&self, route: &Kind) -> String {
+        self.route_key("tat", route)
+    }
+
+    pub fn route_waiting(&self, route: &Kind) -> String {
+        self.route_key("waiting", route)
+    }
+
+    pub fn route_penalty(&self, route: &Kind) -> String {
+        self.route_key("penalty", route)
+    }
+
+    /// Hash `count`, `period_ms`, `burst`: the quota of tenants with none.
+    pub fn default_quota(&self) -> String {
+        format!("{}:quota-default", self.prefix)
+    }
+
+    /// Set of tenants with stored settings (for `quota list`).
     pub fn tenants(&self) -> String {
         format!("{}:tenants", self.prefix)
     }
 
-    /// Pattern matching every key of this prefix (cleanup in tests and demo).
+    /// Set of routes with a stored quota.
+    pub fn routes(&self) -> String {
+        format!("{}:routes", self.prefix)
+    }
+
+    /// Stream of every quota change: who, when, old → new.
+    pub fn audit(&self) -> String {
+        format!("{}:audit", self.prefix)
+    }
+
+    /// Pattern matching every key of this prefix (tests, demo, bench cleanup).
     pub fn all_pattern(&self) -> String {
         format!("{}:*", self.prefix)
     }

@@ -12,8 +12,8 @@ mod store;
 
 pub use conn::{Redis, RedisSettings};
 pub use keys::Keys;
-pub use permit::{PermitSettings, RedisPermits};
-pub use store::{QuotaEntry, QuotaStore};
+pub use permit::{PermitSettings, RedisPermits, Reply};
+pub use store::{Actor, AuditEntry, Cancel, Change, QuotaStore, Settings, Target};
 
 /// Re-exported for tools that talk to the same Redis (bench, tests).
 pub use redis::{Script, cmd as redis_cmd};

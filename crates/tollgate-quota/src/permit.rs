@@ -1,13 +1,25 @@
 //! [`PermitStore`] on Redis: one `EVALSHA` per decision (falling back to
 //! `EVAL` on `NOSCRIPT` after a restart or failover), time from Redis `TIME`
 //! so the whole fleet shares one clock.
+//!
+//! A small local cache spares Redis the deliveries of a tenant that is
+//! already known to wait. While a tenant flows, every request goes to Redis
+//! (in parallel) and a denial takes one virtual slot. Once Redis has said the
+//! tenant waits, this pod's fresh requests for it go single file: the first
+//! takes a block of `denial_block` slots, the ones queued behind it use the
+//! rest without a round trip. A slot is only a time to come back and ask
+//! again, never a permit, so the fleet decision stays in Redis; a job coming
+//! back for its slot always asks Redis. Nothing cached lives longer than
+//! `denial_cache_ttl`.
 
-use std::sync::Arc;
-use std::time::Duration;
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use redis::Script;
 use tollgate_core::ports::{PermitRequest, PermitStore};
-use tollgate_core::{PermitDecision, Quota};
+use tollgate_core::{Kind, PermitDecision, Quota, Shadow, TenantId};
 
 use crate::{Keys, QuotaError, Redis};
 
@@ -16,8 +28,8 @@ static COMPLETE_LUA: &str = include_str!("lua/complete.lua");
 
 #[derive(Clone, Debug)]
 pub struct PermitSettings {
-    /// Applies to tenants without a stored quota. Conservative by design:
-    /// never unlimited.
+    /// Applies to tenants with no stored quota when no default is stored
+    /// either. Conservative by design: never unlimited.
     pub default_quota: Quota,
     /// How far ahead a permit may be reserved. A reserved job is held
     /// in-process until its slot, so this must not exceed the hold limit,
@@ -33,6 +45,103 @@ pub struct PermitSettings {
     /// without a margin, a provider counting per sliding second would see
     /// rate + 1 requests in some windows.
     pub pacing_margin: f64,
+    /// How often a paused tenant's jobs look again.
+    pub pause_recheck: Duration,
+    /// Wait before asking again when the tenant is at its concurrency limit.
+    pub concurrency_retry: Duration,
+    /// Virtual slots a pod takes per denial (1 = no local cache).
+    pub denial_block: u32,
+    /// How long this pod may use those slots (and a paused answer) locally.
+    pub denial_cache_ttl: Duration,
+}
+
+/// What this pod knows about one (tenant, route) without asking Redis.
+#[derive(Debug, Default)]
+struct Local {
+    /// Redis said "wait" until about this instant: fresh requests go single file.
+    waiting_until: Option<Instant>,
+    /// The unused rest of a block of virtual slots.
+    slots: Option<Slots>,
+    /// Redis said "paused": answer so locally until `expires`.
+    paused: Option<(Duration, Instant)>,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Slots {
+    next: Instant,
+    interval: Duration,
+    left: u32,
+    expires: Instant,
+}
+
+impl Local {
+    fn waiting(&self, now: Instant) -> bool {
+        self.waiting_until.is_some_and(|t| t > now)
+    }
+
+    /// A decision from what Redis said recently, if it still holds.
+    fn take(&mut self, now: Instant) -> Option<PermitDecision> {
+        if let Some((retry_in, expires)) = self.paused {
+            if expires > now {
+                return Some(PermitDecision::Paused { retry_in });
+            }
+            self.paused = None;
+        }
+        let slots = self.slots.as_mut()?;
+        if slots.expires <= now || slots.left == 0 {
+            self.slots = None;
+            return None;
+        }
+        let retry_in = slots.next.saturating_duration_since(now);
+        let interval = slots.interval;
+        slots.next += interval;
+        slots.left -= 1;
+        Some(PermitDecision::Denied {
+            retry_in,
+            interval: Some(interval),
+            kept: false,
+        })
+    }
+
+    /// Learns from a Redis reply; returns the decision for the asking job.
+    fn learn(&mut self, reply: Reply, now: Instant, ttl: Duration) -> PermitDecision {
+        let expires = now + ttl;
+        match reply {
+            Reply::Denied {
+                retry_in,
+                interval,
+                slots,
+                kept,
+            } => {
+                self.waiting_until = Some(expires);
+                if !kept {
+                    self.slots = (slots > 1).then(|| Slots {
+                        next: now + retry_in + interval,
+                        interval,
+                        left: slots - 1,
+                        expires,
+                    });
+                }
+                PermitDecision::Denied {
+                    retry_in,
+                    interval: Some(interval),
+                    kept,
+                }
+            }
+            Reply::Decision(decision) => {
+                match decision {
+                    PermitDecision::Paused { retry_in } => self.paused = Some((retry_in, expires)),
+                    PermitDecision::Granted { .. } => *self = Local::default(),
+                    _ => {}
+                }
+                decision
+            }
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.waiting_until.is_none() && self.slots.is_none() && self.paused.is_none()
+    }
 }
 
 pub struct RedisPermits {
@@ -41,6 +150,29 @@ pub struct RedisPermits {
     settings: PermitSettings,
     permit: Script,
     complete: Script,
+    local: Mutex<HashMap<(TenantId, Kind), Arc<KeyState>>>,
+}
+
+/// One (tenant, route) in this pod: what it knows, and how many fresh
+/// requests are queued for it.
+#[derive(Default)]
+struct KeyState {
+    queued: std::sync::atomic::AtomicU32,
+    local: tokio::sync::Mutex<Local>,
+}
+
+/// The script's reply, before the local cache interprets it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Reply {
+    Decision(PermitDecision),
+    /// Denied, with `slots` virtual slots `interval` apart from `retry_in`;
+    /// `kept` when a returning job kept its place.
+    Denied {
+        retry_in: Duration,
+        interval: Duration,
+        slots: u32,
+        kept: bool,
+    },
 }
 
 impl RedisPermits {
@@ -51,12 +183,123 @@ impl RedisPermits {
             settings,
             permit: Script::new(PERMIT_LUA),
             complete: Script::new(COMPLETE_LUA),
+            local: Mutex::new(HashMap::new()),
         }
     }
 
     pub fn redis(&self) -> &Arc<Redis> {
         &self.redis
     }
+
+    /// One call of the permit script. `now_micros` replaces Redis `TIME`;
+    /// only tests and tools pass it.
+    /// `slots`: virtual slots to take if the job is denied.
+    pub async fn decide(
+        &self,
+        req: PermitRequest<'_>,
+        slots: u32,
+        now_micros: Option<u64>,
+    ) -> Result<Reply, QuotaError> {
+        let (k, s, d) = (&self.keys, &self.settings, &self.settings.default_quota);
+        let mut conn = self.redis.conn().await?;
+        let reply: Vec<i64> = self
+            .permit
+            .key(k.quota(req.tenant))
+            .key(k.tat(req.tenant))
+            .key(k.waiting(req.tenant))
+            .key(k.penalty(req.tenant))
+            .key(k.in_flight(req.tenant))
+            .key(k.shadow_tat(req.tenant))
+            .key(k.sent(req.tenant, req.key))
+            .key(k.lease(req.tenant, req.key))
+            .key(k.cancelled_id(req.tenant, req.job_id))
+            .key(k.cancelled_key(req.tenant, req.key))
+            .key(k.default_quota())
+            .key(k.route_quota(req.route))
+            .key(k.route_tat(req.route))
+            .key(k.route_waiting(req.route))
+            .key(k.route_penalty(req.route))
+            .arg(d.rate.count)
+            .arg(d.rate.period.as_millis() as u64)
+            .arg(d.burst)
+            .arg(req.lease_token)
+            .arg(micros(s.horizon))
+            .arg(s.lease_ttl.as_millis() as u64)
+            .arg(1.0 + s.pacing_margin)
+            .arg(micros(s.pause_recheck))
+            .arg(slots.max(1))
+            .arg(micros(s.concurrency_retry))
+            .arg(now_micros.map(|n| n.to_string()).unwrap_or_default())
+            .arg(
+                req.returning
+                    .map(|r| micros(r.remaining).to_string())
+                    .unwrap_or_default(),
+            )
+            .arg(
+                req.returning
+                    .and_then(|r| r.interval)
+                    .map(|i| micros(i).to_string())
+                    .unwrap_or_default(),
+            )
+            .invoke_async(&mut conn)
+            .await
+            .map_err(|e| self.redis.classify(e))?;
+        let at = |i: usize| Duration::from_micros(reply.get(i).copied().unwrap_or(0).max(0) as u64);
+        let decision = match reply.first().copied() {
+            Some(0) => PermitDecision::Granted {
+                // Hold until the absolute send time Redis chose, not for
+                // `delay` from whenever the reply arrived: reply latency
+                // varies, and would bunch sends that Redis spaced evenly.
+                delay: match (now_micros, reply.get(3)) {
+                    (None, Some(&send)) => until_wall_clock(send),
+                    _ => at(1),
+                },
+                shadow: match reply.get(2) {
+                    Some(1) => Shadow::Allow,
+                    Some(2) => Shadow::Deny,
+                    _ => Shadow::None,
+                },
+            },
+            Some(1) => {
+                return Ok(Reply::Denied {
+                    retry_in: at(1),
+                    interval: at(2),
+                    slots: reply.get(3).copied().unwrap_or(1).max(1) as u32,
+                    kept: reply.get(4) == Some(&1),
+                });
+            }
+            Some(2) => PermitDecision::Duplicate,
+            Some(3) => PermitDecision::InFlight { retry_in: at(1) },
+            Some(4) => PermitDecision::Paused { retry_in: at(1) },
+            Some(5) => PermitDecision::Cancelled,
+            Some(6) => PermitDecision::AtConcurrency { retry_in: at(1) },
+            _ => return Err(QuotaError::BadReply(format!("{reply:?}"))),
+        };
+        Ok(Reply::Decision(decision))
+    }
+
+    fn state(&self, key: &(TenantId, Kind)) -> Arc<KeyState> {
+        let mut all = self.local.lock().expect("not poisoned");
+        Arc::clone(all.entry(key.clone()).or_default())
+    }
+
+    /// Forgets a key with nothing worth remembering (bounded memory).
+    fn tidy(&self, key: &(TenantId, Kind), local: &Local) {
+        if local.is_empty() {
+            self.local.lock().expect("not poisoned").remove(key);
+        }
+    }
+}
+
+/// Time from the local wall clock until `micros` since the epoch (zero if
+/// past). On one host this is Redis's own clock; across hosts it is as good
+/// as their clock sync, which the pacing margin absorbs.
+fn until_wall_clock(micros: i64) -> Duration {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_micros() as i64)
+        .unwrap_or(0);
+    Duration::from_micros((micros - now).max(0) as u64)
 }
 
 fn micros(d: Duration) -> u64 {
@@ -67,48 +310,62 @@ impl PermitStore for RedisPermits {
     type Error = QuotaError;
 
     async fn acquire(&self, req: PermitRequest<'_>) -> Result<PermitDecision, QuotaError> {
-        let default = &self.settings.default_quota;
-        let mut conn = self.redis.conn().await?;
-        let (code, value): (i64, i64) = self
-            .permit
-            .key(self.keys.quota(req.tenant))
-            .key(self.keys.tat(req.tenant))
-            .key(self.keys.sent(req.tenant, req.key))
-            .key(self.keys.lease(req.tenant, req.key))
-            .key(self.keys.waiting(req.tenant))
-            .arg(default.rate.count)
-            .arg(default.rate.period.as_millis() as u64)
-            .arg(default.burst)
-            .arg(req.lease_token)
-            .arg(micros(self.settings.horizon))
-            .arg(self.settings.lease_ttl.as_millis() as u64)
-            .arg(1.0 + self.settings.pacing_margin)
-            .invoke_async(&mut conn)
-            .await
-            .map_err(|e| self.redis.classify(e))?;
-        let wait = Duration::from_micros(value.max(0) as u64);
-        match code {
-            0 => Ok(PermitDecision::Granted { delay: wait }),
-            1 => Ok(PermitDecision::Denied { retry_in: wait }),
-            2 => Ok(PermitDecision::Duplicate),
-            3 => Ok(PermitDecision::InFlight { retry_in: wait }),
-            other => Err(QuotaError::BadReply(format!("code {other}"))),
+        let key = (req.tenant.clone(), req.route.clone());
+        let ttl = self.settings.denial_cache_ttl;
+        let state = self.state(&key);
+        if req.returning.is_some() {
+            let reply = self.decide(req, 1, None).await?;
+            let mut local = state.local.lock().await;
+            let decision = local.learn(reply, Instant::now(), ttl);
+            self.tidy(&key, &local);
+            return Ok(decision);
         }
+        state.queued.fetch_add(1, Ordering::Relaxed);
+        let mut local = state.local.lock().await;
+        let behind = state.queued.fetch_sub(1, Ordering::Relaxed) - 1;
+        let now = Instant::now();
+        if let Some(decision) = local.take(now) {
+            return Ok(decision);
+        }
+        if local.waiting(now) {
+            // Single file while the tenant waits: the lock is held across
+            // the call, and the block is sized to the requests queued
+            // behind, which take the rest of it without a round trip.
+            let slots = (1 + behind).min(self.settings.denial_block);
+            let reply = self.decide(req, slots, None).await?;
+            return Ok(local.learn(reply, Instant::now(), ttl));
+        }
+        drop(local);
+        let reply = self.decide(req, 1, None).await?;
+        let mut local = state.local.lock().await;
+        let decision = local.learn(reply, Instant::now(), ttl);
+        self.tidy(&key, &local);
+        Ok(decision)
     }
 
     async fn ping(&self) -> Result<(), QuotaError> {
         self.redis.ping().await
     }
 
-    async fn complete(&self, req: PermitRequest<'_>, sent: bool) -> Result<(), QuotaError> {
+    async fn complete(
+        &self,
+        req: PermitRequest<'_>,
+        sent: bool,
+        penalty: Option<Duration>,
+    ) -> Result<(), QuotaError> {
         let mut conn = self.redis.conn().await?;
         self.complete
             .key(self.keys.sent(req.tenant, req.key))
             .key(self.keys.lease(req.tenant, req.key))
+            .key(self.keys.in_flight(req.tenant))
+            .key(self.keys.penalty(req.tenant))
+            .key(self.keys.route_penalty(req.route))
             .arg(req.lease_token)
             .arg(if sent { "1" } else { "0" })
             .arg(self.settings.sent_ttl.as_millis() as u64)
             .arg(req.job_id.as_str())
+            .arg(penalty.map(micros).unwrap_or(0))
+            .arg("")
             .invoke_async::<i64>(&mut conn)
             .await
             .map(drop)

@@ -1,113 +1,409 @@
-//! The live quota store: what `tollgate quota set|get|list` read and write.
-//! The permit script reads the same hash on every decision, so a change
-//! applies to the next decision of every pod.
+//! The live quota store: what `tollgate quota …`, `tollgate tenant …`,
+//! `tollgate cancel` and the admin API read and write. The permit script
+//! reads the same hashes on every decision, so a change applies to the next
+//! decision of every pod. Every change is appended, atomically with the
+//! change itself, to an audit stream (who, when, old → new).
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use redis::AsyncCommands;
-use tollgate_core::{Quota, Rate, TenantId};
+use redis::{AsyncCommands, Script};
+use tollgate_core::{IdempotencyKey, JobId, Kind, Quota, Rate, TenantId};
 
 use crate::{Keys, QuotaError, Redis};
 
-/// A stored quota and who last changed it.
+static CHANGE_LUA: &str = include_str!("lua/change.lua");
+
+/// Audit entries kept (approximately; older ones are trimmed).
+const AUDIT_MAX_LEN: u32 = 100_000;
+
+/// Whose settings: a tenant, a provider route's shared bucket, or the
+/// default quota of tenants with none.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct QuotaEntry {
-    pub quota: Quota,
-    pub updated_at_ms: Option<i64>,
+pub enum Target {
+    Tenant(TenantId),
+    Route(Kind),
+    Default,
+}
+
+impl Target {
+    /// How the target is named in the audit stream.
+    pub fn label(&self) -> String {
+        match self {
+            Self::Tenant(t) => format!("tenant:{t}"),
+            Self::Route(r) => format!("route:{r}"),
+            Self::Default => "default".into(),
+        }
+    }
+
+    fn hash(&self, keys: &Keys) -> String {
+        match self {
+            Self::Tenant(t) => keys.quota(t),
+            Self::Route(r) => keys.route_quota(r),
+            Self::Default => keys.default_quota(),
+        }
+    }
+
+    /// The index set this target is listed in, and its member name.
+    fn index(&self, keys: &Keys) -> (String, String) {
+        match self {
+            Self::Tenant(t) => (keys.tenants(), t.to_string()),
+            Self::Route(r) => (keys.routes(), r.to_string()),
+            Self::Default => (keys.tenants(), String::new()),
+        }
+    }
+}
+
+/// A change to a target's settings.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Change {
+    /// Replace the enforced quota (and the concurrency limit: `None` = none).
+    SetQuota {
+        quota: Quota,
+        concurrency: Option<u32>,
+    },
+    /// A quota computed and counted beside the enforced one, never enforced.
+    SetShadow(Quota),
+    ClearShadow,
+    /// Remove the quota, concurrency and shadow (the default applies again).
+    Delete,
+    Pause,
+    Resume,
+}
+
+impl Change {
+    pub fn action(self) -> &'static str {
+        match self {
+            Self::SetQuota { .. } => "set",
+            Self::SetShadow(_) => "shadow",
+            Self::ClearShadow => "clear-shadow",
+            Self::Delete => "delete",
+            Self::Pause => "pause",
+            Self::Resume => "resume",
+        }
+    }
+
+    /// Field updates; an empty value deletes the field.
+    fn fields(self) -> Vec<(&'static str, String)> {
+        let quota = |prefix: &'static [&'static str; 3], q: Option<Quota>| {
+            let values = match q {
+                Some(q) => [
+                    q.rate.count.to_string(),
+                    q.rate.period.as_millis().to_string(),
+                    q.burst.to_string(),
+                ],
+                None => Default::default(),
+            };
+            prefix.iter().copied().zip(values).collect::<Vec<_>>()
+        };
+        const LIVE: [&str; 3] = ["count", "period_ms", "burst"];
+        const SHADOW: [&str; 3] = ["shadow_count", "shadow_period_ms", "shadow_burst"];
+        match self {
+            Self::SetQuota {
+                quota: q,
+                concurrency,
+            } => {
+                let mut f = quota(&LIVE, Some(q));
+                f.push((
+                    "concurrency",
+                    concurrency.map(|c| c.to_string()).unwrap_or_default(),
+                ));
+                f
+            }
+            Self::SetShadow(q) => quota(&SHADOW, Some(q)),
+            Self::ClearShadow => quota(&SHADOW, None),
+            Self::Delete => {
+                let mut f = quota(&LIVE, None);
+                f.extend(quota(&SHADOW, None));
+                f.push(("concurrency", String::new()));
+                f
+            }
+            Self::Pause => vec![("paused", "1".into())],
+            Self::Resume => vec![("paused", String::new())],
+        }
+    }
+}
+
+/// Who made a change, and through what.
+#[derive(Clone, Debug)]
+pub struct Actor {
+    pub who: String,
+    /// `cli` or `api`.
+    pub source: &'static str,
+}
+
+/// Settings as stored.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Settings {
+    pub quota: Option<Quota>,
+    pub concurrency: Option<u32>,
+    pub paused: bool,
+    pub shadow: Option<Quota>,
     pub updated_by: Option<String>,
+    pub updated_at_ms: Option<i64>,
+}
+
+impl Settings {
+    fn from_fields(fields: &HashMap<String, String>) -> Result<Self, String> {
+        let num = |name: &str| -> Result<Option<u64>, String> {
+            fields
+                .get(name)
+                .map(|v| {
+                    v.parse()
+                        .map_err(|_| format!("{name} = {v:?} is not a number"))
+                })
+                .transpose()
+        };
+        let quota = |c: &str, p: &str, b: &str| -> Result<Option<Quota>, String> {
+            match (num(c)?, num(p)?, num(b)?) {
+                (Some(count), Some(period_ms), Some(burst)) => {
+                    let rate = Rate {
+                        count: u32::try_from(count).map_err(|_| format!("{c} is too large"))?,
+                        period: Duration::from_millis(period_ms),
+                    };
+                    let burst = u32::try_from(burst).map_err(|_| format!("{b} is too large"))?;
+                    Quota::new(rate, burst).map(Some).map_err(|e| e.to_string())
+                }
+                (None, None, None) => Ok(None),
+                _ => Err(format!("{c}, {p} and {b} must be set together")),
+            }
+        };
+        Ok(Self {
+            quota: quota("count", "period_ms", "burst")?,
+            concurrency: num("concurrency")?.map(|c| c as u32),
+            paused: fields.get("paused").is_some_and(|v| v == "1"),
+            shadow: quota("shadow_count", "shadow_period_ms", "shadow_burst")?,
+            updated_by: fields.get("updated_by").cloned(),
+            updated_at_ms: fields.get("updated_at_ms").and_then(|v| v.parse().ok()),
+        })
+    }
+
+    /// One line for humans: `20/s burst 1, concurrency 4, paused, shadow 5/s burst 1`.
+    pub fn describe(&self) -> String {
+        let mut parts = vec![match self.quota {
+            Some(q) => q.to_string(),
+            None => "default quota".into(),
+        }];
+        if let Some(c) = self.concurrency {
+            parts.push(format!("concurrency {c}"));
+        }
+        if self.paused {
+            parts.push("PAUSED".into());
+        }
+        if let Some(s) = self.shadow {
+            parts.push(format!("shadow {s}"));
+        }
+        parts.join(", ")
+    }
+}
+
+/// One audited change.
+#[derive(Clone, Debug)]
+pub struct AuditEntry {
+    pub at_ms: i64,
+    pub target: String,
+    pub action: String,
+    pub who: String,
+    pub source: String,
+    pub old: Settings,
+    pub new: Settings,
 }
 
 pub struct QuotaStore {
     redis: Arc<Redis>,
     keys: Keys,
+    change: Script,
 }
 
 impl QuotaStore {
     pub fn new(redis: Arc<Redis>, keys: Keys) -> Self {
-        Self { redis, keys }
+        Self {
+            redis,
+            keys,
+            change: Script::new(CHANGE_LUA),
+        }
     }
 
-    pub async fn set(&self, tenant: &TenantId, quota: Quota, who: &str) -> Result<(), QuotaError> {
+    pub fn keys(&self) -> &Keys {
+        &self.keys
+    }
+
+    /// Applies and audits one change; returns the settings before and after.
+    pub async fn apply(
+        &self,
+        target: &Target,
+        change: Change,
+        actor: &Actor,
+    ) -> Result<(Settings, Settings), QuotaError> {
+        let (index, member) = target.index(&self.keys);
+        let mut invocation = self.change.key(target.hash(&self.keys));
+        invocation
+            .key(self.keys.audit())
+            .key(index)
+            .arg(target.label())
+            .arg(change.action())
+            .arg(&actor.who)
+            .arg(actor.source)
+            .arg(member)
+            .arg(AUDIT_MAX_LEN);
+        for (field, value) in change.fields() {
+            invocation.arg(field).arg(value);
+        }
         let mut conn = self.redis.conn().await?;
-        // Stamp the change with Redis time, the clock every decision uses.
+        let (old, new): (String, String) = invocation
+            .invoke_async(&mut conn)
+            .await
+            .map_err(|e| self.redis.classify(e))?;
+        Ok((parse_json(target, &old)?, parse_json(target, &new)?))
+    }
+
+    pub async fn get(&self, target: &Target) -> Result<Option<Settings>, QuotaError> {
+        let mut conn = self.redis.conn().await?;
+        let fields: HashMap<String, String> = conn
+            .hgetall(target.hash(&self.keys))
+            .await
+            .map_err(|e| self.redis.classify(e))?;
+        if fields.is_empty() {
+            return Ok(None);
+        }
+        Settings::from_fields(&fields)
+            .map(Some)
+            .map_err(|reason| QuotaError::BadQuota {
+                tenant: target.label(),
+                reason,
+            })
+    }
+
+    /// Every tenant with stored settings, sorted.
+    pub async fn tenants(&self) -> Result<Vec<(TenantId, Settings)>, QuotaError> {
+        let names = self.members(&self.keys.tenants()).await?;
+        let mut out = Vec::with_capacity(names.len());
+        // The set is written only with validated names; anything else was put
+        // there by hand and is skipped rather than trusted.
+        for tenant in names.into_iter().filter_map(|n| TenantId::parse(n).ok()) {
+            if let Some(s) = self.get(&Target::Tenant(tenant.clone())).await? {
+                out.push((tenant, s));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Every route with a stored shared quota, sorted.
+    pub async fn routes(&self) -> Result<Vec<(Kind, Settings)>, QuotaError> {
+        let names = self.members(&self.keys.routes()).await?;
+        let mut out = Vec::with_capacity(names.len());
+        for route in names.into_iter().filter_map(|n| Kind::parse(n).ok()) {
+            if let Some(s) = self.get(&Target::Route(route.clone())).await? {
+                out.push((route, s));
+            }
+        }
+        Ok(out)
+    }
+
+    async fn members(&self, set: &str) -> Result<Vec<String>, QuotaError> {
+        let mut conn = self.redis.conn().await?;
+        let mut names: Vec<String> = conn
+            .smembers(set)
+            .await
+            .map_err(|e| self.redis.classify(e))?;
+        names.retain(|n| !n.is_empty());
+        names.sort();
+        Ok(names)
+    }
+
+    /// Newest first; only `target`'s entries when given.
+    pub async fn history(
+        &self,
+        target: Option<&Target>,
+        limit: usize,
+    ) -> Result<Vec<AuditEntry>, QuotaError> {
+        let mut conn = self.redis.conn().await?;
+        let raw: redis::streams::StreamRangeReply = conn
+            .xrevrange_count(self.keys.audit(), "+", "-", AUDIT_MAX_LEN as usize)
+            .await
+            .map_err(|e| self.redis.classify(e))?;
+        let wanted = target.map(Target::label);
+        let mut out = Vec::new();
+        for entry in raw.ids {
+            let text = |name: &str| entry.get::<String>(name).unwrap_or_default();
+            let label = text("target");
+            if wanted.as_ref().is_some_and(|w| *w != label) {
+                continue;
+            }
+            let parse = |name: &str| {
+                serde_json_map(&text(name))
+                    .and_then(|m| Settings::from_fields(&m).ok())
+                    .unwrap_or_default()
+            };
+            out.push(AuditEntry {
+                at_ms: text("at_ms").parse().unwrap_or(0),
+                action: text("action"),
+                who: text("who"),
+                source: text("source"),
+                old: parse("old"),
+                new: parse("new"),
+                target: label,
+            });
+            if out.len() >= limit {
+                break;
+            }
+        }
+        Ok(out)
+    }
+
+    /// Marks a job (by id) or every job with a key as cancelled: it is
+    /// skipped at its turn, consuming no quota. Audited.
+    pub async fn cancel(
+        &self,
+        tenant: &TenantId,
+        by: &Cancel,
+        ttl: Duration,
+        actor: &Actor,
+    ) -> Result<(), QuotaError> {
+        let (key, what) = match by {
+            Cancel::JobId(id) => (self.keys.cancelled_id(tenant, id), format!("job_id {id}")),
+            Cancel::Key(k) => (
+                self.keys.cancelled_key(tenant, k),
+                format!("idempotency_key {k}"),
+            ),
+        };
+        let mut conn = self.redis.conn().await?;
         let (secs, micros): (i64, i64) = redis::cmd("TIME")
             .query_async(&mut conn)
             .await
             .map_err(|e| self.redis.classify(e))?;
-        let fields = [
-            ("count", quota.rate.count.to_string()),
-            ("period_ms", quota.rate.period.as_millis().to_string()),
-            ("burst", quota.burst.to_string()),
-            ("updated_by", who.to_owned()),
-            ("updated_at_ms", (secs * 1000 + micros / 1000).to_string()),
-        ];
+        let new = format!("{{\"cancelled\":{}}}", json_string(&what));
         redis::pipe()
             .atomic()
-            .hset_multiple(self.keys.quota(tenant), &fields)
+            .cmd("SET")
+            .arg(&key)
+            .arg(&actor.who)
+            .arg("PX")
+            .arg(ttl.as_millis() as u64)
             .ignore()
-            .sadd(self.keys.tenants(), tenant.as_str())
+            .cmd("XADD")
+            .arg(self.keys.audit())
+            .arg("MAXLEN")
+            .arg("~")
+            .arg(AUDIT_MAX_LEN)
+            .arg("*")
+            .arg(&[
+                ("target", Target::Tenant(tenant.clone()).label()),
+                ("action", "cancel".to_owned()),
+                ("who", actor.who.clone()),
+                ("source", actor.source.to_owned()),
+                ("at_ms", (secs * 1000 + micros / 1000).to_string()),
+                ("old", "{}".to_owned()),
+                ("new", new),
+            ])
             .ignore()
             .query_async::<()>(&mut conn)
             .await
             .map_err(|e| self.redis.classify(e))
     }
 
-    pub async fn get(&self, tenant: &TenantId) -> Result<Option<QuotaEntry>, QuotaError> {
-        let mut conn = self.redis.conn().await?;
-        let fields: std::collections::HashMap<String, String> = conn
-            .hgetall(self.keys.quota(tenant))
-            .await
-            .map_err(|e| self.redis.classify(e))?;
-        if fields.is_empty() {
-            return Ok(None);
-        }
-        let bad = |reason: &str| QuotaError::BadQuota {
-            tenant: tenant.to_string(),
-            reason: reason.to_owned(),
-        };
-        let num = |name: &str| -> Result<u64, QuotaError> {
-            fields
-                .get(name)
-                .and_then(|v| v.parse().ok())
-                .ok_or_else(|| bad(&format!("field {name} is missing or not a number")))
-        };
-        let rate = Rate {
-            count: u32::try_from(num("count")?).map_err(|_| bad("count is too large"))?,
-            period: Duration::from_millis(num("period_ms")?),
-        };
-        let burst = u32::try_from(num("burst")?).map_err(|_| bad("burst is too large"))?;
-        let quota = Quota::new(rate, burst).map_err(|e| bad(&e.to_string()))?;
-        Ok(Some(QuotaEntry {
-            quota,
-            updated_at_ms: fields.get("updated_at_ms").and_then(|v| v.parse().ok()),
-            updated_by: fields.get("updated_by").cloned(),
-        }))
-    }
-
-    /// Every tenant with a stored quota, sorted by tenant.
-    pub async fn list(&self) -> Result<Vec<(TenantId, QuotaEntry)>, QuotaError> {
-        let mut conn = self.redis.conn().await?;
-        let mut tenants: Vec<String> = conn
-            .smembers(self.keys.tenants())
-            .await
-            .map_err(|e| self.redis.classify(e))?;
-        tenants.sort();
-        let mut out = Vec::with_capacity(tenants.len());
-        for name in tenants {
-            // The set is written only with validated tenants; anything else
-            // was put there by hand and is skipped rather than trusted.
-            let Ok(tenant) = TenantId::parse(name) else {
-                continue;
-            };
-            if let Some(entry) = self.get(&tenant).await? {
-                out.push((tenant, entry));
-            }
-        }
-        Ok(out)
-    }
-
-    /// Deletes every key under this prefix (tests, demo, `bench` cleanup).
+    /// Deletes every key under this prefix (tests, demo, bench cleanup).
     pub async fn purge_prefix(&self) -> Result<u64, QuotaError> {
         let mut conn = self.redis.conn().await?;
         let pattern = self.keys.all_pattern();
@@ -136,4 +432,43 @@ impl QuotaStore {
             cursor = next;
         }
     }
+}
+
+/// What to cancel.
+#[derive(Clone, Debug)]
+pub enum Cancel {
+    JobId(JobId),
+    Key(IdempotencyKey),
+}
+
+fn parse_json(target: &Target, json: &str) -> Result<Settings, QuotaError> {
+    let map =
+        serde_json_map(json).ok_or_else(|| QuotaError::BadReply(format!("audit json {json:?}")))?;
+    Settings::from_fields(&map).map_err(|reason| QuotaError::BadQuota {
+        tenant: target.label(),
+        reason,
+    })
+}
+
+/// A flat JSON object of strings (what the change script encodes).
+fn serde_json_map(json: &str) -> Option<HashMap<String, String>> {
+    let value: serde_json::Value = serde_json::from_str(json).ok()?;
+    let object = value.as_object()?;
+    Some(
+        object
+            .iter()
+            .map(|(k, v)| {
+                (
+                    k.clone(),
+                    v.as_str()
+                        .map(str::to_owned)
+                        .unwrap_or_else(|| v.to_string()),
+                )
+            })
+            .collect(),
+    )
+}
+
+fn json_string(s: &str) -> String {
+    serde_json::Value::String(s.to_owned()).to_string()
 }

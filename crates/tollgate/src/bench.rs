@@ -30,7 +30,7 @@ use tollgate_amqp::lapin::options::{
 use tollgate_amqp::lapin::types::{AMQPValue, FieldTable, LongString};
 use tollgate_amqp::lapin::{Connection, ConnectionProperties};
 use tollgate_core::ports::{PermitRequest, PermitStore};
-use tollgate_core::{Clock, IdempotencyKey, JobId, Quota, TenantId};
+use tollgate_core::{Clock, IdempotencyKey, JobId, Kind, Quota, TenantId};
 use tollgate_quota::{Keys, Redis, RedisPermits};
 
 use crate::cli::{self, PublishArgs};
@@ -338,13 +338,7 @@ async fn tollgate_throughput(base: &Config, n: u32) -> anyhow::Result<(f64, f64)
     let store = cli::quota_store(&config)?;
     let tenants: Vec<String> = (0..8).map(|i| format!("bench-{i}")).collect();
     for t in &tenants {
-        store
-            .set(
-                &TenantId::parse(t.as_str())?,
-                Quota::new("1000000/s".parse()?, 1000)?,
-                "bench",
-            )
-            .await?;
+        cli::set_tenant_quota(&store, t, Quota::new("1000000/s".parse()?, 1000)?, "bench").await?;
     }
     let now = SystemClock.now();
     let per_tenant = n / tenants.len() as u32;
@@ -410,15 +404,20 @@ async fn permit_path(base: &Config, window: Duration) -> anyhow::Result<(f64, f6
     ));
     let store = tollgate_quota::QuotaStore::new(Arc::clone(&redis), Keys::new(&prefix));
     let tenant = TenantId::parse("bench")?;
-    store
-        .set(&tenant, Quota::new("1000000/s".parse()?, 1000)?, "bench")
-        .await?;
+    cli::set_tenant_quota(
+        &store,
+        "bench",
+        Quota::new("1000000/s".parse()?, 1000)?,
+        "bench",
+    )
+    .await?;
 
     let count = Arc::new(AtomicU64::new(0));
     let deadline = Instant::now() + window;
     let mut tasks = Vec::new();
     for worker in 0..64 {
         let (permits, count, tenant) = (Arc::clone(&permits), Arc::clone(&count), tenant.clone());
+        let route = Kind::default_kind();
         tasks.push(tokio::spawn(async move {
             let mut i = 0u64;
             while Instant::now() < deadline {
@@ -427,9 +426,11 @@ async fn permit_path(base: &Config, window: Duration) -> anyhow::Result<(f64, f6
                 let key = IdempotencyKey::from(&id);
                 let request = PermitRequest {
                     tenant: &tenant,
+                    route: &route,
                     job_id: &id,
                     key: &key,
                     lease_token: "t",
+                    returning: None,
                 };
                 if permits.acquire(request).await.is_ok() {
                     count.fetch_add(1, Ordering::Relaxed);

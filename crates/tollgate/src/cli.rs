@@ -14,7 +14,7 @@ use tollgate_amqp::{Broker, headers};
 use tollgate_core::{
     Clock, DeadReason, IdempotencyKey, Job, JobId, Kind, Quota, Rate, TenantId, UnixMillis,
 };
-use tollgate_quota::{Keys, QuotaStore, Redis};
+use tollgate_quota::{Actor, Cancel, Change, Keys, QuotaStore, Redis, Settings, Target};
 
 use crate::config::Config;
 use crate::demo::DemoArgs;
@@ -49,9 +49,18 @@ pub enum Command {
         after_help = "Example: tollgate publish --tenant acme --count 100 --due-in 30s --payload '{\"to\":\"x\"}'"
     )]
     Publish(PublishArgs),
-    /// Read and change tenant quotas, live for the whole fleet.
+    /// Read and change quotas, live for the whole fleet; every change is audited.
     #[command(subcommand)]
     Quota(QuotaCommand),
+    /// Pause or resume a tenant.
+    #[command(subcommand)]
+    Tenant(TenantCommand),
+    /// Cancel a queued job: it is skipped at its turn, consuming no quota.
+    #[command(
+        after_help = "Examples:\n  tollgate cancel --tenant acme --job-id job-123\n  \
+        tollgate cancel --tenant acme --idempotency-key renewal-acme-2026-12"
+    )]
+    Cancel(CancelArgs),
     /// Declare the RabbitMQ topology.
     #[command(subcommand)]
     Topology(TopologyCommand),
@@ -95,24 +104,102 @@ pub struct PublishArgs {
     pub idempotency_key: Option<String>,
 }
 
+/// Whose quota: a tenant, or with `--route` a provider route's shared bucket.
+#[derive(Debug, Args)]
+pub struct TargetArgs {
+    /// The tenant (omit with --route).
+    pub tenant: Option<String>,
+    /// A provider route (job kind): its bucket is shared by every tenant.
+    #[arg(long, conflicts_with = "tenant")]
+    pub route: Option<String>,
+}
+
 #[derive(Debug, Subcommand)]
 pub enum QuotaCommand {
-    /// Set a tenant's quota; applies to the next decision of every pod.
-    #[command(after_help = "Example: tollgate quota set acme --rate 20/s --burst 1")]
+    /// Set a quota; applies to the next decision of every pod.
+    #[command(
+        after_help = "Examples:\n  tollgate quota set acme --rate 20/s --burst 1 --concurrency 4\n  \
+        tollgate quota set acme --rate 5/s --shadow      # computed and counted, not enforced\n  \
+        tollgate quota set --route email --rate 100/s    # one provider account shared by all tenants"
+    )]
     Set {
-        tenant: String,
+        #[command(flatten)]
+        target: TargetArgs,
         /// N/s, N/m or N/h.
         #[arg(long)]
         rate: String,
         #[arg(long, default_value_t = 1)]
         burst: u32,
+        /// Most provider calls of this tenant in flight across the fleet.
+        #[arg(long)]
+        concurrency: Option<u32>,
+        /// Set the tenant's shadow quota instead: decisions are computed,
+        /// logged and counted (tollgate_shadow_decisions_total), never enforced.
+        #[arg(long)]
+        shadow: bool,
     },
-    /// Show a tenant's quota (or the default it falls back to).
-    #[command(after_help = "Example: tollgate quota get acme")]
-    Get { tenant: String },
-    /// List every tenant with a stored quota.
+    /// Show a quota (or the default it falls back to).
+    #[command(
+        after_help = "Examples:\n  tollgate quota get acme\n  tollgate quota get --route email"
+    )]
+    Get {
+        #[command(flatten)]
+        target: TargetArgs,
+    },
+    /// List every tenant and route with stored settings, and the default.
     #[command(after_help = "Example: tollgate quota list")]
     List,
+    /// Remove a quota: the default applies again (with --shadow: only the shadow quota).
+    #[command(after_help = "Example: tollgate quota delete acme")]
+    Delete {
+        #[command(flatten)]
+        target: TargetArgs,
+        #[arg(long)]
+        shadow: bool,
+    },
+    /// Show, or with --rate set, the quota of tenants with none.
+    #[command(
+        after_help = "Examples:\n  tollgate quota default\n  tollgate quota default --rate 5/s --burst 1"
+    )]
+    Default {
+        #[arg(long)]
+        rate: Option<String>,
+        #[arg(long, default_value_t = 1)]
+        burst: u32,
+    },
+    /// Every change, newest first: who, when, from where, old → new.
+    #[command(
+        after_help = "Examples:\n  tollgate quota history\n  tollgate quota history acme --limit 10"
+    )]
+    History {
+        #[command(flatten)]
+        target: TargetArgs,
+        #[arg(long, default_value_t = 50)]
+        limit: usize,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum TenantCommand {
+    /// Stop sending a tenant's jobs: they are parked, not failed, and use no quota.
+    #[command(after_help = "Example: tollgate tenant pause acme")]
+    Pause { tenant: String },
+    /// Send a paused tenant's jobs again.
+    #[command(after_help = "Example: tollgate tenant resume acme")]
+    Resume { tenant: String },
+}
+
+#[derive(Debug, Args)]
+#[command(group(clap::ArgGroup::new("what").required(true).args(["job_id", "idempotency_key"])))]
+pub struct CancelArgs {
+    /// The job's tenant (cancellations live with the tenant's keys).
+    #[arg(long)]
+    pub tenant: String,
+    #[arg(long)]
+    pub job_id: Option<String>,
+    /// Cancels every queued job carrying this key.
+    #[arg(long)]
+    pub idempotency_key: Option<String>,
 }
 
 #[derive(Debug, Subcommand)]
@@ -228,59 +315,225 @@ pub async fn publish(config: &Config, args: &PublishArgs) -> anyhow::Result<()> 
     Ok(())
 }
 
+fn cli_actor() -> Actor {
+    let user = std::env::var("USER").unwrap_or_else(|_| "unknown".into());
+    Actor {
+        who: format!("cli:{user}"),
+        source: "cli",
+    }
+}
+
+impl TargetArgs {
+    pub fn target(&self) -> anyhow::Result<Target> {
+        match (&self.tenant, &self.route) {
+            (_, Some(route)) => Ok(Target::Route(
+                Kind::parse(route.as_str()).context("--route")?,
+            )),
+            (Some(tenant), None) => Ok(Target::Tenant(
+                TenantId::parse(tenant.as_str()).context("tenant")?,
+            )),
+            (None, None) => bail!("name a tenant, or a route with --route"),
+        }
+    }
+
+    fn optional(&self) -> anyhow::Result<Option<Target>> {
+        match (&self.tenant, &self.route) {
+            (None, None) => Ok(None),
+            _ => self.target().map(Some),
+        }
+    }
+}
+
+/// Sets a tenant's enforced quota (no concurrency limit) as `who`: the
+/// shorthand the demo, the bench and the tests use.
+pub async fn set_tenant_quota(
+    store: &QuotaStore,
+    tenant: &str,
+    quota: Quota,
+    who: &str,
+) -> anyhow::Result<()> {
+    let target = Target::Tenant(TenantId::parse(tenant).context("tenant")?);
+    let change = Change::SetQuota {
+        quota,
+        concurrency: None,
+    };
+    let actor = Actor {
+        who: who.to_owned(),
+        source: "cli",
+    };
+    store.apply(&target, change, &actor).await?;
+    Ok(())
+}
+
+/// Parses `--rate` and `--burst` into a quota.
+pub fn parse_quota(rate: &str, burst: u32) -> anyhow::Result<Quota> {
+    let rate: Rate = rate.parse().context("--rate")?;
+    Quota::new(rate, burst).context("--burst")
+}
+
+fn show(target: &Target, settings: Option<&Settings>, default: &str) -> String {
+    let name = target.label();
+    match settings {
+        Some(s) => format!(
+            "{name}: {} (changed by {} at {})",
+            s.describe(),
+            s.updated_by.as_deref().unwrap_or("?"),
+            s.updated_at_ms
+                .map(|t| UnixMillis(t).to_string())
+                .unwrap_or_else(|| "?".into()),
+        ),
+        None => format!("{name}: nothing stored; {default}"),
+    }
+}
+
+/// The default quota as the permit script sees it: stored, else config.
+async fn effective_default(store: &QuotaStore, config: &Config) -> anyhow::Result<String> {
+    Ok(
+        match store.get(&Target::Default).await?.and_then(|s| s.quota) {
+            Some(q) => format!("{q} (stored)"),
+            None => format!("{} (from config)", config.default_quota()?),
+        },
+    )
+}
+
 pub async fn quota(config: &Config, command: &QuotaCommand) -> anyhow::Result<()> {
     let store = quota_store(config)?;
+    let actor = cli_actor();
     match command {
         QuotaCommand::Set {
-            tenant,
+            target,
             rate,
             burst,
+            concurrency,
+            shadow,
         } => {
-            let tenant = TenantId::parse(tenant.as_str()).context("tenant")?;
-            let rate: Rate = rate.parse().context("--rate")?;
-            let quota = Quota::new(rate, *burst).context("--burst")?;
-            let who = std::env::var("USER").unwrap_or_else(|_| "cli".into());
-            store.set(&tenant, quota, &format!("cli:{who}")).await?;
-            println!("{tenant}: {quota}");
+            let target = target.target()?;
+            let quota = parse_quota(rate, *burst)?;
+            let change = match (shadow, &target) {
+                (true, Target::Tenant(_)) => Change::SetShadow(quota),
+                (true, _) => bail!("--shadow applies to tenants"),
+                (false, Target::Route(_)) if concurrency.is_some() => {
+                    bail!("--concurrency applies to tenants")
+                }
+                (false, _) => Change::SetQuota {
+                    quota,
+                    concurrency: *concurrency,
+                },
+            };
+            let (old, new) = store.apply(&target, change, &actor).await?;
+            println!(
+                "{}: {} → {}",
+                target.label(),
+                old.describe(),
+                new.describe()
+            );
         }
-        QuotaCommand::Get { tenant } => {
-            let tenant = TenantId::parse(tenant.as_str()).context("tenant")?;
-            match store.get(&tenant).await? {
-                Some(entry) => println!(
-                    "{tenant}: {} (set by {} at {})",
-                    entry.quota,
-                    entry.updated_by.as_deref().unwrap_or("?"),
-                    entry
-                        .updated_at_ms
-                        .map(|t| UnixMillis(t).to_string())
-                        .unwrap_or_default(),
+        QuotaCommand::Get { target } => {
+            let target = target.target()?;
+            let settings = store.get(&target).await?;
+            let fallback = match target {
+                Target::Route(_) => "the route has no shared bucket".to_owned(),
+                _ => format!(
+                    "the default {} applies",
+                    effective_default(&store, config).await?
                 ),
-                None => println!(
-                    "{tenant}: no quota stored; the default {} applies",
-                    config.default_quota()?
-                ),
-            }
+            };
+            println!("{}", show(&target, settings.as_ref(), &fallback));
         }
         QuotaCommand::List => {
-            let entries = store.list().await?;
-            if entries.is_empty() {
-                println!(
-                    "no quotas stored; every tenant gets the default {}",
-                    config.default_quota()?
-                );
+            println!("default: {}", effective_default(&store, config).await?);
+            println!("\n{:<40} SETTINGS", "TENANT / ROUTE");
+            for (tenant, s) in store.tenants().await? {
+                println!("{:<40} {}", format!("tenant:{tenant}"), s.describe());
             }
-            println!("{:<32} {:>12} {:>6}  updated by", "TENANT", "RATE", "BURST");
-            for (tenant, entry) in entries {
+            for (route, s) in store.routes().await? {
+                println!("{:<40} {}", format!("route:{route}"), s.describe());
+            }
+        }
+        QuotaCommand::Delete { target, shadow } => {
+            let target = target.target()?;
+            let change = if *shadow {
+                Change::ClearShadow
+            } else {
+                Change::Delete
+            };
+            let (old, new) = store.apply(&target, change, &actor).await?;
+            println!(
+                "{}: {} → {}",
+                target.label(),
+                old.describe(),
+                new.describe()
+            );
+        }
+        QuotaCommand::Default { rate, burst } => match rate {
+            Some(rate) => {
+                let change = Change::SetQuota {
+                    quota: parse_quota(rate, *burst)?,
+                    concurrency: None,
+                };
+                let (old, new) = store.apply(&Target::Default, change, &actor).await?;
+                println!("default: {} → {}", old.describe(), new.describe());
+            }
+            None => println!("default: {}", effective_default(&store, config).await?),
+        },
+        QuotaCommand::History { target, limit } => {
+            let target = target.optional()?;
+            let entries = store.history(target.as_ref(), *limit).await?;
+            if entries.is_empty() {
+                println!("no changes recorded");
+            }
+            for e in entries {
                 println!(
-                    "{:<32} {:>12} {:>6}  {}",
-                    tenant.as_str(),
-                    entry.quota.rate.to_string(),
-                    entry.quota.burst,
-                    entry.updated_by.unwrap_or_default()
+                    "{}  {:<28} {:<13} {:<24} {:<4} {} → {}",
+                    UnixMillis(e.at_ms),
+                    e.target,
+                    e.action,
+                    e.who,
+                    e.source,
+                    e.old.describe(),
+                    e.new.describe()
                 );
             }
         }
     }
+    Ok(())
+}
+
+pub async fn tenant(config: &Config, command: &TenantCommand) -> anyhow::Result<()> {
+    let store = quota_store(config)?;
+    let (tenant, change) = match command {
+        TenantCommand::Pause { tenant } => (tenant, Change::Pause),
+        TenantCommand::Resume { tenant } => (tenant, Change::Resume),
+    };
+    let target = Target::Tenant(TenantId::parse(tenant.as_str()).context("tenant")?);
+    let (_, new) = store.apply(&target, change, &cli_actor()).await?;
+    println!(
+        "{}: {}",
+        target.label(),
+        if new.paused { "paused" } else { "running" }
+    );
+    Ok(())
+}
+
+pub async fn cancel(config: &Config, args: &CancelArgs) -> anyhow::Result<()> {
+    let store = quota_store(config)?;
+    let tenant = TenantId::parse(args.tenant.as_str()).context("--tenant")?;
+    let by = match (&args.job_id, &args.idempotency_key) {
+        (Some(id), _) => Cancel::JobId(JobId::parse(id.as_str()).context("--job-id")?),
+        (None, Some(key)) => {
+            Cancel::Key(IdempotencyKey::parse(key.as_str()).context("--idempotency-key")?)
+        }
+        (None, None) => bail!("give --job-id or --idempotency-key"),
+    };
+    store
+        .cancel(
+            &tenant,
+            &by,
+            Duration::from_secs(config.cancel_ttl_s),
+            &cli_actor(),
+        )
+        .await?;
+    println!("cancelled {by:?} for tenant {tenant}: skipped at its turn, using no quota");
     Ok(())
 }
 

@@ -85,6 +85,16 @@ impl fmt::Debug for Secret {
     }
 }
 
+/// One provider route (`[routes.<kind>]`).
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RouteConfig {
+    pub url: SecretUrl,
+    /// Asked before each permit: 200 = send, 410 = skip (no quota used).
+    #[serde(default)]
+    pub eligibility_url: Option<SecretUrl>,
+}
+
 #[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
 pub enum LogFormat {
@@ -101,8 +111,10 @@ pub struct Config {
     pub prefix: String,
     /// Route for kind `default`.
     pub provider_url: Option<SecretUrl>,
-    /// More routes: kind → URL.
-    pub routes: BTreeMap<String, SecretUrl>,
+    /// Eligibility webhook of the `default` route (200 = send, 410 = skip).
+    pub eligibility_url: Option<SecretUrl>,
+    /// More routes, by kind: `[routes.email] url = "…"`.
+    pub routes: BTreeMap<String, RouteConfig>,
     /// Deliveries one pod holds at once (the AMQP prefetch).
     pub concurrency: u16,
     /// Failed provider attempts (408/5xx/timeout) before `exhausted`.
@@ -120,6 +132,23 @@ pub struct Config {
     /// Sends are spaced this many percent wider than the quota, so send
     /// jitter never pushes a strict provider over it.
     pub pacing_margin_pct: f64,
+    /// How often a paused tenant's jobs come back to look again.
+    pub pause_recheck_ms: u64,
+    /// Longest hop of a quota wait; at each hop a job asks again, so a
+    /// raised quota reaches parked jobs within this.
+    pub quota_recheck_ms: u64,
+    /// Wait before asking again when a tenant is at its concurrency limit.
+    pub concurrency_retry_ms: u64,
+    /// Virtual slots a pod takes from Redis per denial and hands out locally
+    /// (1 = ask Redis for every delivery of a waiting tenant).
+    pub denial_block: u32,
+    /// How long those slots (and a "paused" answer) may be used locally.
+    pub denial_cache_ms: u64,
+    /// Optional ceiling on this pod's provider calls (e.g. "500/s"),
+    /// enforced locally on top of the fleet-wide quotas.
+    pub pod_max_rate: Option<String>,
+    /// How long a cancellation is remembered.
+    pub cancel_ttl_s: u64,
     /// Deliveries of one tenant a pod holds in-process at once; beyond it,
     /// short waits are parked too, so one tenant cannot fill the prefetch.
     pub tenant_hold_max: usize,
@@ -152,6 +181,7 @@ impl Default for Config {
             redis_url: SecretUrl::new("redis://127.0.0.1:6379"),
             prefix: "tollgate".into(),
             provider_url: None,
+            eligibility_url: None,
             routes: BTreeMap::new(),
             concurrency: 64,
             max_attempts: 8,
@@ -165,6 +195,13 @@ impl Default for Config {
             permit_horizon_ms: 250,
             tenant_hold_max: 8,
             pacing_margin_pct: 2.0,
+            pause_recheck_ms: 5_000,
+            quota_recheck_ms: 5_000,
+            concurrency_retry_ms: 100,
+            denial_block: 8,
+            denial_cache_ms: 1_000,
+            pod_max_rate: None,
+            cancel_ttl_s: 7 * 24 * 3600,
             shards: 4,
             delay_tiers_ms: vec![1_000, 5_000, 30_000, 120_000, 600_000, 3_600_000],
             delivery_limit: 5,
@@ -193,7 +230,7 @@ impl Config {
             figment = figment.merge(Toml::file(path));
         }
         let config: Config = figment
-            .merge(Env::prefixed("TOLLGATE_").ignore(&["config"]))
+            .merge(Env::prefixed("TOLLGATE_").ignore(&["config"]).split("__"))
             .extract()
             .context("reading configuration")?;
         config.validate()?;
@@ -234,6 +271,7 @@ impl Config {
         self.policy()?;
         self.default_quota()?;
         self.routes()?;
+        self.pod_max_rate()?;
         Ok(())
     }
 
@@ -258,6 +296,7 @@ impl Config {
             },
             tiers: self.tiers()?,
             unavailable_retry: Duration::from_secs(1),
+            quota_recheck: Duration::from_millis(self.quota_recheck_ms),
             default_retry_after: Duration::from_secs(1),
         })
     }
@@ -290,6 +329,10 @@ impl Config {
             lease_ttl: Duration::from_millis(self.provider_timeout_ms) + Duration::from_secs(5),
             sent_ttl: Duration::from_secs(self.sent_ttl_s),
             pacing_margin: self.pacing_margin_pct / 100.0,
+            pause_recheck: Duration::from_millis(self.pause_recheck_ms),
+            concurrency_retry: Duration::from_millis(self.concurrency_retry_ms),
+            denial_block: self.denial_block.max(1),
+            denial_cache_ttl: Duration::from_millis(self.denial_cache_ms),
         })
     }
 
@@ -303,19 +346,42 @@ impl Config {
 
     /// Provider routes: `provider_url` as kind `default`, plus `routes`.
     pub fn routes(&self) -> anyhow::Result<Vec<Route>> {
-        let mut all: BTreeMap<&str, &SecretUrl> =
-            self.routes.iter().map(|(k, v)| (k.as_str(), v)).collect();
+        let mut all: BTreeMap<&str, RouteConfig> = self
+            .routes
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.clone()))
+            .collect();
         if let Some(url) = &self.provider_url {
-            all.insert("default", url);
+            let route = RouteConfig {
+                url: url.clone(),
+                eligibility_url: self.eligibility_url.clone(),
+            };
+            all.insert("default", route);
         }
+        let parse = |kind: &str, url: &SecretUrl| {
+            Url::parse(url.expose())
+                .with_context(|| format!("route {kind:?}: {} is not a URL", url.redacted()))
+        };
         all.into_iter()
-            .map(|(kind, url)| {
+            .map(|(kind, route)| {
                 tollgate_core::Kind::parse(kind).with_context(|| format!("route kind {kind:?}"))?;
-                let parsed = Url::parse(url.expose())
-                    .with_context(|| format!("route {kind:?}: {} is not a URL", url.redacted()))?;
-                Route::new(kind, parsed).map_err(Into::into)
+                let url = parse(kind, &route.url)?;
+                let eligibility = route
+                    .eligibility_url
+                    .as_ref()
+                    .map(|u| parse(kind, u))
+                    .transpose()?;
+                Route::new(kind, url, eligibility).map_err(Into::into)
             })
             .collect()
+    }
+
+    /// The optional per-pod ceiling on provider calls.
+    pub fn pod_max_rate(&self) -> anyhow::Result<Option<Rate>> {
+        self.pod_max_rate
+            .as_deref()
+            .map(|r| r.parse::<Rate>().context("pod_max_rate"))
+            .transpose()
     }
 
     pub fn name(&self) -> String {
@@ -341,8 +407,8 @@ mod tests {
                 r#"
                 prefix = "from-file"
                 concurrency = 8
-                [routes]
-                sms = "http://sms.internal/send"
+                [routes.sms]
+                url = "http://sms.internal/send"
                 "#,
             )?;
             jail.set_env("TOLLGATE_CONCURRENCY", "16");
@@ -350,12 +416,20 @@ mod tests {
                 "TOLLGATE_PROVIDER_URL",
                 "http://user:pw@provider.internal/send",
             );
+            jail.set_env(
+                "TOLLGATE_ROUTES__SMS__ELIGIBILITY_URL",
+                "http://crm.internal/still-true",
+            );
             let config = Config::load(Some(Path::new("tollgate.toml"))).expect("loads");
             assert_eq!(config.prefix, "from-file");
             assert_eq!(config.concurrency, 16);
             let routes = config.routes().unwrap();
             let kinds: Vec<_> = routes.iter().map(|r| r.kind.as_str()).collect();
             assert_eq!(kinds, ["default", "sms"]);
+            assert_eq!(
+                routes[1].eligibility_url.as_ref().map(|u| u.as_str()),
+                Some("http://crm.internal/still-true")
+            );
             Ok(())
         });
     }

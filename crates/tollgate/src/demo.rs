@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use clap::Args;
 use tokio::sync::watch;
-use tollgate_core::{Clock, Quota, TenantId, UnixMillis};
+use tollgate_core::{Clock, Quota, UnixMillis};
 
 use crate::cli::{self, PublishArgs};
 use crate::config::{Config, SecretUrl};
@@ -115,9 +115,7 @@ pub async fn run(base: &Config, args: &DemoArgs) -> anyhow::Result<()> {
     let store = cli::quota_store(&config)?;
     for plan in &PLANS {
         let quota = Quota::new(plan.rate.parse()?, plan.burst)?;
-        store
-            .set(&TenantId::parse(plan.tenant)?, quota, "demo")
-            .await?;
+        cli::set_tenant_quota(&store, plan.tenant, quota, "demo").await?;
     }
 
     println!(

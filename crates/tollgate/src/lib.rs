@@ -2,6 +2,7 @@
 //! runtime, the HTTP server, the CLI commands and the demo. `main.rs` only
 //! parses arguments and maps failures to exit codes.
 
+pub mod admin;
 pub mod bench;
 pub mod cli;
 pub mod config;

@@ -40,6 +40,8 @@ async fn run(command: Command, config: Config) -> anyhow::Result<()> {
         Command::Worker => worker(config).await,
         Command::Publish(args) => cli::publish(&config, &args).await,
         Command::Quota(cmd) => cli::quota(&config, &cmd).await,
+        Command::Tenant(cmd) => cli::tenant(&config, &cmd).await,
+        Command::Cancel(args) => cli::cancel(&config, &args).await,
         Command::Topology(cmd) => cli::topology(&config, &cmd).await,
         Command::Dlq(cmd) => cli::dlq(&config, &cmd).await,
         Command::Demo(args) => tollgate::demo::run(&config, &args).await,
@@ -56,7 +58,18 @@ async fn worker(config: Config) -> anyhow::Result<()> {
     let metrics = Metrics::new(config.tenant_label_limit, &config.tenant_label_allowlist);
     let worker = Arc::new(LiveWorker::connect(&config, metrics.clone()).await?);
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let router = http::router(metrics, worker.clone());
+    let admin = tollgate::admin::AdminState {
+        store: Arc::new(tollgate::cli::quota_store(&config)?),
+        token: config.admin_token.clone(),
+        config_default: config.default_quota()?,
+        cancel_ttl: std::time::Duration::from_secs(config.cancel_ttl_s),
+    };
+    if admin.token.is_none() {
+        tracing::warn!(
+            "TOLLGATE_ADMIN_TOKEN is not set: the admin API under /v1/ refuses every request"
+        );
+    }
+    let router = http::router(metrics, worker.clone()).merge(tollgate::admin::router(admin));
     let mut http_stop = stop_rx.clone();
     let (addr, server) = http::serve(config.http_addr, router, async move {
         let _ = http_stop.wait_for(|&stop| stop).await;

@@ -11,7 +11,7 @@ use prometheus::{
     Registry, TextEncoder,
 };
 use tollgate_core::{
-    Completion, DeadReason, DelayTiers, ParkReason, PermitDecision, ProviderOutcome,
+    Completion, DeadReason, DelayTiers, ParkReason, PermitDecision, ProviderOutcome, Shadow,
 };
 
 /// Milliseconds to a day, with the SLO thresholds 0.1 s, 1 s and 60 s on
@@ -64,6 +64,9 @@ pub fn permit_label(decision: &PermitDecision) -> &'static str {
         PermitDecision::Denied { .. } => "denied",
         PermitDecision::Duplicate => "duplicate",
         PermitDecision::InFlight { .. } => "in_flight",
+        PermitDecision::Paused { .. } => "paused",
+        PermitDecision::Cancelled => "cancelled",
+        PermitDecision::AtConcurrency { .. } => "concurrency",
         PermitDecision::Unavailable => "unavailable",
     }
 }
@@ -75,6 +78,7 @@ struct Inner {
     due_lag: HistogramVec,
     quota_wait: HistogramVec,
     permit_decisions: IntCounterVec,
+    shadow_decisions: IntCounterVec,
     provider_requests: IntCounterVec,
     provider_duration: HistogramVec,
     jobs_completed: IntCounterVec,
@@ -183,6 +187,12 @@ impl Metrics {
                 "Permit decisions made in Redis, by tenant and decision.",
                 &["tenant", "decision"],
             ),
+            shadow_decisions: counter(
+                r,
+                "tollgate_shadow_decisions_total",
+                "What a tenant's shadow quota would have decided for each granted send (allow, deny); never enforced.",
+                &["tenant", "decision"],
+            ),
             provider_requests: counter(
                 r,
                 "tollgate_provider_requests_total",
@@ -262,6 +272,17 @@ impl Metrics {
             .permit_decisions
             .with_label_values(&[tenant, permit_label(decision)])
             .inc();
+        if let PermitDecision::Granted { shadow, .. } = decision {
+            let verdict = match shadow {
+                Shadow::None => return,
+                Shadow::Allow => "allow",
+                Shadow::Deny => "deny",
+            };
+            self.0
+                .shadow_decisions
+                .with_label_values(&[tenant, verdict])
+                .inc();
+        }
     }
 
     pub fn provider(&self, tenant: &str, route: &str, outcome: ProviderOutcome, took: Duration) {
@@ -371,6 +392,13 @@ mod tests {
         metrics.queue_age("acme", Duration::from_millis(20));
         metrics.due_lag("acme", Duration::from_millis(20));
         metrics.permit("acme", &PermitDecision::Duplicate);
+        metrics.permit(
+            "acme",
+            &PermitDecision::Granted {
+                delay: Duration::ZERO,
+                shadow: Shadow::Deny,
+            },
+        );
         metrics.provider(
             "acme",
             "default",
@@ -387,6 +415,7 @@ mod tests {
             "tollgate_due_lag_seconds",
             "tollgate_quota_wait_seconds",
             "tollgate_permit_decisions_total",
+            "tollgate_shadow_decisions_total",
             "tollgate_provider_requests_total",
             "tollgate_provider_request_duration_seconds",
             "tollgate_jobs_completed_total",

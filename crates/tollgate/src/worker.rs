@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use futures::StreamExt;
+use governor::{DefaultDirectRateLimiter, RateLimiter};
 use tokio::task::JoinSet;
 use tollgate_amqp::Broker;
 use tollgate_amqp::headers;
@@ -23,7 +24,7 @@ use tollgate_core::outcome::classify;
 use tollgate_core::ports::{PermitRequest, PermitStore, Provider, ProviderCall};
 use tollgate_core::{
     Action, Clock, Completion, DeadReason, Job, JobRun, Malformed, ParkReason, PermitDecision,
-    Policy, Progress, TenantId, UnixMillis,
+    Policy, Progress, ProviderOutcome, TenantId, UnixMillis,
 };
 use tollgate_provider::HttpProvider;
 use tollgate_quota::{Keys, Redis, RedisPermits};
@@ -56,6 +57,8 @@ pub struct Worker<P, V> {
     shutdown_grace: Duration,
     consuming: AtomicBool,
     holds: HoldGate,
+    /// Optional per-pod ceiling on provider calls (governor, local only).
+    ceiling: Option<DefaultDirectRateLimiter>,
 }
 
 /// Counts the deliveries of each tenant this pod holds in-process (waiting
@@ -142,6 +145,12 @@ impl LiveWorker {
             shutdown_grace: Duration::from_millis(config.shutdown_grace_ms),
             consuming: AtomicBool::new(false),
             holds: HoldGate::new(config.tenant_hold_max),
+            ceiling: config.pod_max_rate()?.map(|rate| {
+                let period = Duration::from_micros(rate.interval_micros());
+                RateLimiter::direct(
+                    governor::Quota::with_period(period).expect("a rate has a non-zero period"),
+                )
+            }),
         })
     }
 }
@@ -329,11 +338,13 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
         mut run: JobRun,
     ) -> Result<Settled, tollgate_amqp::AmqpError> {
         let lease_token = uuid::Uuid::new_v4().to_string();
-        let request = PermitRequest {
+        let mut request = PermitRequest {
             tenant: &job.tenant,
+            route: &job.kind,
             job_id: &job.id,
             key: &job.idempotency_key,
             lease_token: &lease_token,
+            returning: None,
         };
         let route = self.provider.route(job).unwrap_or("default");
         let mut now = self.clock.now();
@@ -384,7 +395,18 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
                     }
                     return Ok(Settled::Parked(reason));
                 }
+                Action::CheckEligibility => {
+                    let eligibility = self.provider.eligibility(job).await;
+                    now = self.clock.now();
+                    run.on_eligibility(&self.policy, eligibility, now)
+                }
                 Action::AskPermit => {
+                    if let Some(ceiling) = &self.ceiling {
+                        // This pod's own ceiling, before taking a fleet permit
+                        // it could not use.
+                        ceiling.until_ready().await;
+                    }
+                    request.returning = run.returning(now);
                     let decision = self.permits.acquire(request).await.unwrap_or_else(|e| {
                         warn!(error = %e, "permit store unavailable: failing closed");
                         PermitDecision::Unavailable
@@ -404,8 +426,14 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
                     now = self.clock.now();
                     let outcome = classify(&response, now);
                     self.metrics.provider(tenant, route, outcome, took);
-                    let sent = matches!(outcome, tollgate_core::ProviderOutcome::Sent);
-                    self.complete_permit(request, sent).await;
+                    let sent = matches!(outcome, ProviderOutcome::Sent);
+                    let penalty = match outcome {
+                        ProviderOutcome::Throttled { retry_after } => {
+                            Some(retry_after.unwrap_or(self.policy.default_retry_after))
+                        }
+                        _ => None,
+                    };
+                    self.complete_permit(request, sent, penalty).await;
                     if !sent {
                         info!(decision = outcome.as_str(), response = ?response, "provider did not accept");
                     }
@@ -439,9 +467,14 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
 
     /// Records a sent key (retrying briefly: it is what stops a redelivered
     /// copy from being sent again) and releases the lease.
-    async fn complete_permit(&self, request: PermitRequest<'_>, sent: bool) {
+    async fn complete_permit(
+        &self,
+        request: PermitRequest<'_>,
+        sent: bool,
+        penalty: Option<Duration>,
+    ) {
         for attempt in 1..=3u32 {
-            match self.permits.complete(request, sent).await {
+            match self.permits.complete(request, sent, penalty).await {
                 Ok(()) => return,
                 Err(e) if attempt < 3 && sent => {
                     warn!(error = %e, attempt, "recording the sent key failed; retrying");

@@ -1,78 +1,184 @@
--- One fleet-wide permit decision, atomically: idempotency check, in-flight
--- lease, then GCRA on the tenant's quota with a bounded reservation.
+-- One fleet-wide permit decision, atomically. In order:
+--   sent?  cancelled?  another copy in flight?  tenant paused?
+--   tenant bucket (GCRA)  +  route bucket (GCRA, when configured)  +  tenant concurrency
+-- All-or-nothing: a job denied by any part consumes nothing. A permit may be
+-- reserved up to `horizon` ahead; the worker holds the job until then.
 --
--- KEYS[1] quota hash    (count, period_ms, burst)
--- KEYS[2] tat           (GCRA theoretical arrival time, microseconds)
--- KEYS[3] sent record   (present = already sent)
--- KEYS[4] lease         (holder token of the in-flight lease)
--- KEYS[5] virtual queue (hash: at = next free virtual slot, iv = its interval)
--- ARGV[1..3] default quota: count, period_ms, burst (tenant has no quota)
--- ARGV[4] lease token of this attempt
--- ARGV[5] reservation horizon, microseconds
--- ARGV[6] lease ttl, milliseconds (provider timeout + margin)
--- ARGV[7] pacing factor (1.02 = pace 2 % under the quota, so send jitter
---         never puts rate + 1 requests in a provider's one-second window)
+-- KEYS[1]  tenant quota hash   count period_ms burst concurrency paused shadow_count shadow_period_ms shadow_burst
+-- KEYS[2]  tenant tat          GCRA theoretical arrival time, microseconds of Redis time
+-- KEYS[3]  tenant waiting      hash: at = next free virtual slot, iv = its interval
+-- KEYS[4]  tenant penalty      provider 429: no send before this (microseconds)
+-- KEYS[5]  tenant in flight    zset: lease token -> expiry (microseconds)
+-- KEYS[6]  shadow tat
+-- KEYS[7]  sent record
+-- KEYS[8]  lease of the idempotency key
+-- KEYS[9]  cancelled by job id
+-- KEYS[10] cancelled by idempotency key
+-- KEYS[11] default quota hash  count period_ms burst
+-- KEYS[12] route quota hash    count period_ms burst
+-- KEYS[13] route tat
+-- KEYS[14] route waiting
+-- KEYS[15] route penalty
 --
--- Reply {code, micros}:
---   {0, delay}    granted: send at now + delay (delay <= horizon)
---   {1, retry_in} denied: ask again in retry_in (this job's own virtual slot)
---   {2, 0}        duplicate: already sent
---   {3, retry_in} another copy holds the lease
+-- ARGV[1..3] default quota from config (count, period_ms, burst)
+-- ARGV[4]  lease token of this attempt
+-- ARGV[5]  reservation horizon, microseconds
+-- ARGV[6]  lease ttl, milliseconds
+-- ARGV[7]  pacing factor (1.02 = sends spaced 2 % wider than the quota)
+-- ARGV[8]  recheck interval for a paused tenant, microseconds
+-- ARGV[9]  virtual slots handed out per denial (the pod uses the rest locally)
+-- ARGV[10] retry interval when the tenant is at its concurrency limit, microseconds
+-- ARGV[11] "now" override in microseconds, for tests only ("" = Redis TIME)
+-- ARGV[12] a job back from a quota wait: microseconds still left to its place ("" = fresh job)
+-- ARGV[13] the spacing its place was computed with, microseconds ("" = unknown)
+--
+-- Reply {code, a, b, c}:
+--   {0, delay, shadow, send}    granted at now + delay = send (microseconds since the epoch, Redis
+--                               time); shadow 0 none, 1 would allow, 2 would deny
+--   {1, retry_in, interval, n, kept}
+--                               denied: n virtual slots from now + retry_in, `interval` apart;
+--                               kept = 1 when a returning job keeps (a re-spaced) place
+--   {2}                         duplicate: already sent
+--   {3, retry_in}               another copy holds the lease
+--   {4, retry_in}               tenant paused
+--   {5}                         cancelled
+--   {6, retry_in}               tenant at its concurrency limit
 
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-
-if redis.call('EXISTS', KEYS[3]) == 1 then
-  return {2, 0}
+local now
+if ARGV[11] ~= '' then
+  now = tonumber(ARGV[11])
+else
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 end
+local horizon = tonumber(ARGV[5])
+local pacing = tonumber(ARGV[7])
 
-local holder = redis.call('GET', KEYS[4])
+if redis.call('EXISTS', KEYS[7]) == 1 then return {2} end
+if redis.call('EXISTS', KEYS[9]) == 1 or redis.call('EXISTS', KEYS[10]) == 1 then return {5} end
+
+local holder = redis.call('GET', KEYS[8])
 if holder and holder ~= ARGV[4] then
-  local ttl = redis.call('PTTL', KEYS[4])
+  local ttl = redis.call('PTTL', KEYS[8])
   if ttl < 1 then ttl = 1 end
   return {3, ttl * 1000}
 end
 
-local q = redis.call('HMGET', KEYS[1], 'count', 'period_ms', 'burst')
-local count, period_ms, burst = tonumber(q[1]), tonumber(q[2]), tonumber(q[3])
-if not (count and period_ms and burst) or count < 1 or burst < 1 then
-  count, period_ms, burst = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local q = redis.call('HMGET', KEYS[1], 'count', 'period_ms', 'burst', 'concurrency', 'paused',
+  'shadow_count', 'shadow_period_ms', 'shadow_burst')
+if q[5] == '1' then return {4, tonumber(ARGV[8])} end
+
+-- A bucket: {interval, burst} or nil.
+local function bucket(count, period_ms, burst)
+  count, period_ms, burst = tonumber(count), tonumber(period_ms), tonumber(burst)
+  if not (count and period_ms and burst) or count < 1 or period_ms < 1 or burst < 1 then return nil end
+  return {period_ms * 1000 / count * pacing, burst}
 end
-local interval = period_ms * 1000 / count * tonumber(ARGV[7])
-local horizon = tonumber(ARGV[5])
 
-local tat = tonumber(redis.call('GET', KEYS[2])) or now
-if tat < now then tat = now end
--- Under a steady quota tat never exceeds this bound; after a quota change it
--- can, and clamping applies the new rate at once instead of draining the old
--- schedule first.
-local cap = now + horizon + interval * burst
-if tat > cap then tat = cap end
+local tenant = bucket(q[1], q[2], q[3])
+if not tenant then
+  local d = redis.call('HMGET', KEYS[11], 'count', 'period_ms', 'burst')
+  tenant = bucket(d[1], d[2], d[3]) or bucket(ARGV[1], ARGV[2], ARGV[3])
+end
+local r = redis.call('HMGET', KEYS[12], 'count', 'period_ms', 'burst')
+local route = bucket(r[1], r[2], r[3])
 
-local delay = tat - interval * (burst - 1) - now
-if delay < 0 then delay = 0 end
-if delay > horizon then
-  -- Denied. Give the job its own place in the tenant's virtual queue, so
-  -- denied jobs come back one interval apart, each when its slot is about to
-  -- open, instead of all at once (which would make them spin). The place is
-  -- not a reservation: the job asks again when it returns.
-  local v = redis.call('HMGET', KEYS[5], 'at', 'iv')
-  local vat, viv = tonumber(v[1]), tonumber(v[2])
-  if vat and viv and viv > 0 and math.abs(viv - interval) > 0.5 then
-    -- The quota changed: re-space the waiting jobs at the new rate.
-    vat = now + (vat - now) * interval / viv
+-- The bucket's TAT, clamped so a quota change applies at once (under a steady
+-- quota it never exceeds the clamp), then pushed past any 429 penalty.
+local function load_tat(tat_key, penalty_key, b)
+  local tat = tonumber(redis.call('GET', tat_key)) or now
+  if tat < now then tat = now end
+  local cap = now + horizon + b[1] * b[2]
+  if tat > cap then tat = cap end
+  local penalty = tonumber(redis.call('GET', penalty_key))
+  if penalty and penalty > tat then tat = penalty end
+  return tat
+end
+
+-- Microseconds until the bucket allows a send.
+local function delay_of(tat, b)
+  local d = tat - b[1] * (b[2] - 1) - now
+  if d < 0 then return 0 end
+  return d
+end
+
+-- Virtual slots for a denied job: n slots in the bucket's queue of waiting
+-- jobs, one interval apart, starting at the first slot after tat.
+local function waiting_slots(waiting_key, tat, b, n)
+  local v = redis.call('HMGET', waiting_key, 'at', 'iv')
+  local at, iv = tonumber(v[1]), tonumber(v[2])
+  if at and iv and iv > 0 and math.abs(iv - b[1]) > 0.5 then
+    at = now + (at - now) * b[1] / iv  -- the quota changed: re-space the queue
   end
-  if not vat or vat < tat then vat = tat end
-  local next_vat = vat + interval
-  redis.call('HSET', KEYS[5], 'at', string.format('%.0f', next_vat), 'iv', string.format('%.3f', interval))
-  redis.call('PEXPIRE', KEYS[5], math.ceil((next_vat - now) / 1000) + 1000)
-  local retry_in = vat - interval * (burst - 1) - now - horizon
-  if retry_in < 0 then retry_in = 0 end
-  return {1, math.ceil(retry_in)}
+  if not at or at < tat then at = tat end
+  local next_at = at + b[1] * n
+  redis.call('HSET', waiting_key, 'at', string.format('%.0f', next_at), 'iv', string.format('%.3f', b[1]))
+  redis.call('PEXPIRE', waiting_key, math.ceil((next_at - now) / 1000) + 1000)
+  local retry = at - b[1] * (b[2] - 1) - now - horizon
+  if retry < 0 then retry = 0 end
+  return retry
 end
 
-local new_tat = tat + interval
-redis.call('SET', KEYS[2], string.format('%.0f', new_tat),
-  'PX', math.ceil((new_tat - now) / 1000) + 1000)
-redis.call('SET', KEYS[4], ARGV[4], 'PX', tonumber(ARGV[6]) + math.ceil(delay / 1000))
-return {0, math.floor(delay)}
+local tenant_tat = load_tat(KEYS[2], KEYS[4], tenant)
+local delay = delay_of(tenant_tat, tenant)
+local route_tat, route_delay = 0, 0
+if route then
+  route_tat = load_tat(KEYS[13], KEYS[15], route)
+  route_delay = delay_of(route_tat, route)
+end
+
+local n = tonumber(ARGV[9])
+if delay > horizon or route_delay > horizon then
+  -- Queue behind whichever bucket is further out; only that one's queue moves.
+  local b, b_tat, b_waiting = tenant, tenant_tat, KEYS[3]
+  if route and route_delay > delay then b, b_tat, b_waiting = route, route_tat, KEYS[14] end
+  local remaining = tonumber(ARGV[12])
+  if remaining and remaining > horizon then
+    -- Back from a hop of its wait: keep the place, re-spaced if the quota
+    -- changed since it was given (as the waiting queue itself was).
+    local old = tonumber(ARGV[13])
+    if old and old > 0 then remaining = remaining * b[1] / old end
+    return {1, math.ceil(remaining), math.floor(b[1]), 1, 1}
+  end
+  return {1, math.ceil(waiting_slots(b_waiting, b_tat, b, n)), math.floor(b[1]), n, 0}
+end
+
+local concurrency = tonumber(q[4])
+if concurrency and concurrency > 0 then
+  redis.call('ZREMRANGEBYSCORE', KEYS[5], '-inf', now)
+  if redis.call('ZCARD', KEYS[5]) >= concurrency then
+    return {6, tonumber(ARGV[10])}
+  end
+end
+
+-- Granted: the send happens at `send`; each bucket's next slot counts from it.
+if route_delay > delay then delay = route_delay end
+local send = now + delay
+local function advance(tat_key, tat, b)
+  local next_tat = math.max(tat, send) + b[1]
+  redis.call('SET', tat_key, string.format('%.0f', next_tat), 'PX', math.ceil((next_tat - now) / 1000) + 1000)
+end
+advance(KEYS[2], tenant_tat, tenant)
+if route then advance(KEYS[13], route_tat, route) end
+
+local lease_ms = tonumber(ARGV[6]) + math.ceil(delay / 1000)
+redis.call('SET', KEYS[8], ARGV[4], 'PX', lease_ms)
+if concurrency and concurrency > 0 then
+  redis.call('ZADD', KEYS[5], string.format('%.0f', now + lease_ms * 1000), ARGV[4])
+  redis.call('PEXPIRE', KEYS[5], lease_ms + 1000)
+end
+
+-- Shadow quota: would it have allowed this send? Computed, never enforced.
+local verdict = 0
+local shadow = bucket(q[6], q[7], q[8])
+if shadow then
+  local stat = tonumber(redis.call('GET', KEYS[6])) or send
+  if stat < send then stat = send end
+  local scap = send + shadow[1] * shadow[2]
+  if stat > scap then stat = scap end
+  if stat - shadow[1] * (shadow[2] - 1) <= send then verdict = 1 else verdict = 2 end
+  local snext = math.max(stat, send) + shadow[1]
+  redis.call('SET', KEYS[6], string.format('%.0f', snext), 'PX', math.ceil((snext - now) / 1000) + 1000)
+end
+
+return {0, math.floor(delay), verdict, math.floor(send)}

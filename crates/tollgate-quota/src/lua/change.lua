@@ -1,0 +1,45 @@
+-- One audited quota change, atomically: read the old settings, apply the
+-- change, stamp who/when, append old → new to the audit stream.
+--
+-- KEYS[1] settings hash, KEYS[2] audit stream, KEYS[3] index set
+-- ARGV[1] target ("tenant:acme", "route:email", "default")
+-- ARGV[2] action, ARGV[3] who, ARGV[4] source ("cli" or "api")
+-- ARGV[5] index member ('' = not indexed), ARGV[6] audit stream max length
+-- ARGV[7..] field, value pairs; an empty value deletes the field
+-- Reply: {old json, new json}
+
+local meta = {updated_by = true, updated_at_ms = true}
+local function settings()
+  local flat = redis.call('HGETALL', KEYS[1])
+  local out, n = {}, 0
+  for i = 1, #flat, 2 do
+    if not meta[flat[i]] then out[flat[i]] = flat[i + 1]; n = n + 1 end
+  end
+  return out, n
+end
+
+local old = settings()
+for i = 7, #ARGV, 2 do
+  if ARGV[i + 1] == '' then
+    redis.call('HDEL', KEYS[1], ARGV[i])
+  else
+    redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1])
+  end
+end
+local new, n = settings()
+
+local t = redis.call('TIME')
+local at = tostring(tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))
+if n == 0 then
+  redis.call('DEL', KEYS[1])
+  if ARGV[5] ~= '' then redis.call('SREM', KEYS[3], ARGV[5]) end
+else
+  redis.call('HSET', KEYS[1], 'updated_by', ARGV[3], 'updated_at_ms', at)
+  if ARGV[5] ~= '' then redis.call('SADD', KEYS[3], ARGV[5]) end
+end
+
+local old_json, new_json = cjson.encode(old), cjson.encode(new)
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[6], '*',
+  'target', ARGV[1], 'action', ARGV[2], 'who', ARGV[3], 'source', ARGV[4],
+  'at_ms', at, 'old', old_json, 'new', new_json)
+return {old_json, new_json}

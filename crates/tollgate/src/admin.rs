@@ -1,0 +1,443 @@
+//! The admin API under `/v1/`: the same operations as `tollgate quota`,
+//! `tollgate tenant` and `tollgate cancel`, for tools and dashboards. Every
+//! endpoint needs `Authorization: Bearer $TOLLGATE_ADMIN_TOKEN` (compared in
+//! constant time); with no token configured the API refuses everything.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Json;
+use axum::Router;
+use axum::extract::{DefaultBodyLimit, Path, Query, Request, State};
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post, put};
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+use tollgate_core::{IdempotencyKey, JobId, Kind, Quota, TenantId, UnixMillis};
+use tollgate_quota::{Actor, Cancel, Change, QuotaStore, Settings, Target};
+
+use crate::cli::parse_quota;
+use crate::config::Secret;
+
+/// Request bodies are tiny; anything larger is refused before parsing.
+const BODY_LIMIT: usize = 16 * 1024;
+
+#[derive(Clone)]
+pub struct AdminState {
+    pub store: Arc<QuotaStore>,
+    pub token: Option<Secret>,
+    /// The config default, shown when no default is stored.
+    pub config_default: Quota,
+    pub cancel_ttl: Duration,
+}
+
+pub fn router(state: AdminState) -> Router {
+    Router::new()
+        .route("/v1/quotas", get(list))
+        .route("/v1/default-quota", get(get_default).put(put_default))
+        .route(
+            "/v1/tenants/{tenant}/quota",
+            get(get_tenant).put(put_tenant).delete(delete_tenant),
+        )
+        .route(
+            "/v1/tenants/{tenant}/shadow",
+            put(put_shadow).delete(delete_shadow),
+        )
+        .route("/v1/tenants/{tenant}/pause", post(pause))
+        .route("/v1/tenants/{tenant}/resume", post(resume))
+        .route(
+            "/v1/routes/{route}/quota",
+            get(get_route).put(put_route).delete(delete_route),
+        )
+        .route("/v1/history", get(history))
+        .route("/v1/cancel", post(cancel))
+        .layer(middleware::from_fn_with_state(state.clone(), authorize))
+        .layer(DefaultBodyLimit::max(BODY_LIMIT))
+        .with_state(state)
+}
+
+/// Compares without an early exit, so the time taken does not reveal how
+/// much of a guess was right.
+pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    let mut diff = a.len() ^ b.len();
+    for i in 0..a.len().max(b.len()) {
+        let x = a.get(i).copied().unwrap_or(0);
+        let y = b.get(i).copied().unwrap_or(0);
+        diff |= usize::from(x ^ y);
+    }
+    diff == 0
+}
+
+async fn authorize(State(state): State<AdminState>, request: Request, next: Next) -> Response {
+    let Some(token) = &state.token else {
+        return unauthorized("the admin API is disabled: set TOLLGATE_ADMIN_TOKEN");
+    };
+    let presented = request
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .unwrap_or("");
+    if !constant_time_eq(presented.as_bytes(), token.expose().as_bytes()) {
+        return unauthorized("missing or wrong bearer token");
+    }
+    next.run(request).await
+}
+
+fn unauthorized(message: &str) -> Response {
+    (
+        StatusCode::UNAUTHORIZED,
+        [(header::WWW_AUTHENTICATE, "Bearer")],
+        Json(json!({ "error": message })),
+    )
+        .into_response()
+}
+
+/// An error a client can act on.
+struct ApiError(StatusCode, String);
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.0, Json(json!({ "error": self.1 }))).into_response()
+    }
+}
+
+fn bad_request(e: impl std::fmt::Display) -> ApiError {
+    ApiError(StatusCode::BAD_REQUEST, format!("{e:#}"))
+}
+
+impl From<tollgate_quota::QuotaError> for ApiError {
+    fn from(e: tollgate_quota::QuotaError) -> Self {
+        let status = match e {
+            tollgate_quota::QuotaError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+            _ => StatusCode::INTERNAL_SERVER_ERROR,
+        };
+        ApiError(status, e.to_string())
+    }
+}
+
+type ApiResult = Result<Response, ApiError>;
+
+/// Who made the change: `X-Tollgate-Actor` (for humans behind a tool),
+/// recorded as `api:<actor>`.
+fn actor(headers: &HeaderMap) -> Actor {
+    let name = headers
+        .get("x-tollgate-actor")
+        .and_then(|v| v.to_str().ok())
+        .filter(|v| !v.is_empty() && v.len() <= 64 && v.chars().all(|c| !c.is_control()))
+        .unwrap_or("unknown");
+    Actor {
+        who: format!("api:{name}"),
+        source: "api",
+    }
+}
+
+#[derive(Serialize)]
+struct QuotaJson {
+    rate: String,
+    burst: u32,
+}
+
+impl From<Quota> for QuotaJson {
+    fn from(q: Quota) -> Self {
+        Self {
+            rate: q.rate.to_string(),
+            burst: q.burst,
+        }
+    }
+}
+
+fn settings_json(s: &Settings) -> serde_json::Value {
+    json!({
+        "quota": s.quota.map(QuotaJson::from),
+        "concurrency": s.concurrency,
+        "paused": s.paused,
+        "shadow": s.shadow.map(QuotaJson::from),
+        "updated_by": s.updated_by,
+        "updated_at": s.updated_at_ms.map(|t| UnixMillis(t).to_string()),
+    })
+}
+
+fn tenant(name: &str) -> Result<Target, ApiError> {
+    TenantId::parse(name)
+        .map(Target::Tenant)
+        .map_err(bad_request)
+}
+
+fn route(name: &str) -> Result<Target, ApiError> {
+    Kind::parse(name).map(Target::Route).map_err(bad_request)
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct QuotaBody {
+    rate: String,
+    #[serde(default = "one")]
+    burst: u32,
+    #[serde(default)]
+    concurrency: Option<u32>,
+}
+
+fn one() -> u32 {
+    1
+}
+
+async fn apply(
+    state: &AdminState,
+    target: &Target,
+    change: Change,
+    headers: &HeaderMap,
+) -> ApiResult {
+    let (old, new) = state.store.apply(target, change, &actor(headers)).await?;
+    Ok(Json(json!({
+        "target": target.label(),
+        "action": change.action(),
+        "old": settings_json(&old),
+        "new": settings_json(&new),
+    }))
+    .into_response())
+}
+
+async fn show(state: &AdminState, target: &Target) -> ApiResult {
+    match state.store.get(target).await? {
+        Some(s) => Ok(Json(settings_json(&s)).into_response()),
+        None => Err(ApiError(
+            StatusCode::NOT_FOUND,
+            format!("nothing stored for {}", target.label()),
+        )),
+    }
+}
+
+async fn list(State(state): State<AdminState>) -> ApiResult {
+    let tenants: serde_json::Map<String, serde_json::Value> = state
+        .store
+        .tenants()
+        .await?
+        .iter()
+        .map(|(t, s)| (t.to_string(), settings_json(s)))
+        .collect();
+    let routes: serde_json::Map<String, serde_json::Value> = state
+        .store
+        .routes()
+        .await?
+        .iter()
+        .map(|(r, s)| (r.to_string(), settings_json(s)))
+        .collect();
+    Ok(Json(json!({
+        "default": default_json(&state).await?,
+        "tenants": tenants,
+        "routes": routes,
+    }))
+    .into_response())
+}
+
+async fn default_json(state: &AdminState) -> Result<serde_json::Value, ApiError> {
+    Ok(
+        match state
+            .store
+            .get(&Target::Default)
+            .await?
+            .and_then(|s| s.quota)
+        {
+            Some(q) => json!({ "quota": QuotaJson::from(q), "source": "stored" }),
+            None => json!({ "quota": QuotaJson::from(state.config_default), "source": "config" }),
+        },
+    )
+}
+
+async fn get_default(State(state): State<AdminState>) -> ApiResult {
+    Ok(Json(default_json(&state).await?).into_response())
+}
+
+async fn put_default(
+    State(state): State<AdminState>,
+    headers: HeaderMap,
+    Json(body): Json<QuotaBody>,
+) -> ApiResult {
+    let quota = parse_quota(&body.rate, body.burst).map_err(bad_request)?;
+    let change = Change::SetQuota {
+        quota,
+        concurrency: None,
+    };
+    apply(&state, &Target::Default, change, &headers).await
+}
+
+async fn get_tenant(State(state): State<AdminState>, Path(name): Path<String>) -> ApiResult {
+    show(&state, &tenant(&name)?).await
+}
+
+async fn put_tenant(
+    State(state): State<AdminState>,
+    Path(name): Path<String>,
+    headers: HeaderMap,
+    Json(body): Json<QuotaBody>,
+) -> ApiResult {
+    let quota = parse_quota(&body.rate, body.burst).map_err(bad_request)?;
+    let change = Change::SetQuota {
+        quota,
+        concurrency: body.concurrency,
+    };
+    apply(&state, &tenant(&name)?, change, &headers).await
+}
+
+async fn delete_tenant(
+    State(state): State<AdminState>,
+    Path(name): Path<String>,
+    headers: HeaderMap,
+) -> ApiResult {
+    apply(&state, &tenant(&name)?, Change::Delete, &headers).await
+}
+
+async fn put_shadow(
+    State(state): State<AdminState>,
+    Path(name): Path<String>,
+    headers: HeaderMap,
+    Json(body): Json<QuotaBody>,
+) -> ApiResult {
+    let quota = parse_quota(&body.rate, body.burst).map_err(bad_request)?;
+    apply(&state, &tenant(&name)?, Change::SetShadow(quota), &headers).await
+}
+
+async fn delete_shadow(
+    State(state): State<AdminState>,
+    Path(name): Path<String>,
+    headers: HeaderMap,
+) -> ApiResult {
+    apply(&state, &tenant(&name)?, Change::ClearShadow, &headers).await
+}
+
+async fn pause(
+    State(state): State<AdminState>,
+    Path(name): Path<String>,
+    headers: HeaderMap,
+) -> ApiResult {
+    apply(&state, &tenant(&name)?, Change::Pause, &headers).await
+}
+
+async fn resume(
+    State(state): State<AdminState>,
+    Path(name): Path<String>,
+    headers: HeaderMap,
+) -> ApiResult {
+    apply(&state, &tenant(&name)?, Change::Resume, &headers).await
+}
+
+async fn get_route(State(state): State<AdminState>, Path(name): Path<String>) -> ApiResult {
+    show(&state, &route(&name)?).await
+}
+
+async fn put_route(
+    State(state): State<AdminState>,
+    Path(name): Path<String>,
+    headers: HeaderMap,
+    Json(body): Json<QuotaBody>,
+) -> ApiResult {
+    if body.concurrency.is_some() {
+        return Err(bad_request("concurrency applies to tenants"));
+    }
+    let quota = parse_quota(&body.rate, body.burst).map_err(bad_request)?;
+    let change = Change::SetQuota {
+        quota,
+        concurrency: None,
+    };
+    apply(&state, &route(&name)?, change, &headers).await
+}
+
+async fn delete_route(
+    State(state): State<AdminState>,
+    Path(name): Path<String>,
+    headers: HeaderMap,
+) -> ApiResult {
+    apply(&state, &route(&name)?, Change::Delete, &headers).await
+}
+
+#[derive(Deserialize)]
+struct HistoryQuery {
+    /// `tenant:acme`, `route:email`, `default`; absent = everything.
+    target: Option<String>,
+    limit: Option<usize>,
+}
+
+async fn history(State(state): State<AdminState>, Query(q): Query<HistoryQuery>) -> ApiResult {
+    let target = match q.target.as_deref() {
+        None => None,
+        Some("default") => Some(Target::Default),
+        Some(t) => Some(match t.split_once(':') {
+            Some(("tenant", name)) => tenant(name)?,
+            Some(("route", name)) => route(name)?,
+            _ => {
+                return Err(bad_request(
+                    "target is tenant:<name>, route:<kind> or default",
+                ));
+            }
+        }),
+    };
+    let entries = state
+        .store
+        .history(target.as_ref(), q.limit.unwrap_or(50).min(1000))
+        .await?;
+    let out: Vec<_> = entries
+        .iter()
+        .map(|e| {
+            json!({
+                "at": UnixMillis(e.at_ms).to_string(),
+                "target": e.target,
+                "action": e.action,
+                "who": e.who,
+                "source": e.source,
+                "old": settings_json(&e.old),
+                "new": settings_json(&e.new),
+            })
+        })
+        .collect();
+    Ok(Json(out).into_response())
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct CancelBody {
+    tenant: String,
+    job_id: Option<String>,
+    idempotency_key: Option<String>,
+}
+
+async fn cancel(
+    State(state): State<AdminState>,
+    headers: HeaderMap,
+    Json(body): Json<CancelBody>,
+) -> ApiResult {
+    let tenant = TenantId::parse(body.tenant.as_str()).map_err(bad_request)?;
+    let by = match (body.job_id, body.idempotency_key) {
+        (Some(id), None) => Cancel::JobId(JobId::parse(id).map_err(bad_request)?),
+        (None, Some(key)) => Cancel::Key(IdempotencyKey::parse(key).map_err(bad_request)?),
+        _ => {
+            return Err(bad_request(
+                "give exactly one of job_id and idempotency_key",
+            ));
+        }
+    };
+    state
+        .store
+        .cancel(&tenant, &by, state.cancel_ttl, &actor(&headers))
+        .await?;
+    Ok((
+        StatusCode::OK,
+        Json(json!({ "cancelled": format!("{by:?}"), "tenant": tenant.as_str() })),
+    )
+        .into_response())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::constant_time_eq;
+
+    #[test]
+    fn token_comparison_is_exact() {
+        assert!(constant_time_eq(b"s3cret", b"s3cret"));
+        assert!(!constant_time_eq(b"s3cret", b"s3creT"));
+        assert!(!constant_time_eq(b"s3cret", b"s3cret!"));
+        assert!(!constant_time_eq(b"", b"s3cret"));
+    }
+}
