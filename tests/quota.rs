@@ -2,21 +2,7 @@
 
 use std::time::Duration;
 
-use tollgate_tests::{FakeProvider, TestEnv, fake_provider, wait_for};
-
-/// Most requests seen in any window of `width` (sliding over every request).
-fn max_in_window(mut times: Vec<std::time::Instant>, width: Duration) -> usize {
-    times.sort();
-    let mut best = 0;
-    let mut start = 0;
-    for end in 0..times.len() {
-        while times[end].duration_since(times[start]) >= width {
-            start += 1;
-        }
-        best = best.max(end - start + 1);
-    }
-    best
-}
+use tollgate_tests::{FakeProvider, TestEnv, fake_provider, max_in_window, wait_for};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_workers_sharing_ten_per_second_never_exceed_it() {
@@ -38,10 +24,8 @@ async fn three_workers_sharing_ten_per_second_never_exceed_it() {
     .await;
     let received = provider.received();
     assert_eq!(received.len(), 45, "each job sent once");
-    let worst = max_in_window(
-        received.iter().map(|r| r.instant).collect(),
-        Duration::from_secs(1),
-    );
+    let times: Vec<_> = received.iter().map(|r| r.instant).collect();
+    let worst = max_in_window(&times, Duration::from_secs(1));
     assert!(
         worst <= 11,
         "{worst} requests in one 1 s window; the quota allows 10 (+1 at the edge)"
@@ -71,12 +55,7 @@ async fn three_workers_sharing_ten_per_second_never_exceed_it() {
 fn window_counting_is_right() {
     let t0 = std::time::Instant::now();
     let at = |ms| t0 + Duration::from_millis(ms);
-    assert_eq!(
-        max_in_window(
-            vec![at(0), at(500), at(999), at(1000), at(1001)],
-            Duration::from_secs(1)
-        ),
-        4
-    );
-    assert_eq!(max_in_window(vec![], Duration::from_secs(1)), 0);
+    let times = [at(0), at(500), at(999), at(1000), at(1001)];
+    assert_eq!(max_in_window(&times, Duration::from_secs(1)), 4);
+    assert_eq!(max_in_window(&[], Duration::from_secs(1)), 0);
 }

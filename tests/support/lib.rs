@@ -288,3 +288,68 @@ pub fn free_port() -> u16 {
         .map(|a| a.port())
         .expect("a free port")
 }
+
+/// Most requests in any window of `width`, sliding over every request.
+pub fn max_in_window(times: &[std::time::Instant], width: Duration) -> usize {
+    let mut times = times.to_vec();
+    times.sort();
+    let (mut best, mut start) = (0, 0);
+    for end in 0..times.len() {
+        while times[end].duration_since(times[start]) >= width {
+            start += 1;
+        }
+        best = best.max(end - start + 1);
+    }
+    best
+}
+
+/// A `tollgate worker` process on this env's prefix; killed on drop.
+pub struct WorkerProcess {
+    pub child: std::process::Child,
+    pub http_port: u16,
+}
+
+impl WorkerProcess {
+    pub fn spawn(env: &TestEnv, provider_url: &str, extra: &[(&str, &str)]) -> Self {
+        let http_port = free_port();
+        let mut command = std::process::Command::new(tollgate_bin());
+        command
+            .arg("worker")
+            .env("TOLLGATE_PREFIX", &env.config.prefix)
+            .env("TOLLGATE_SHARDS", env.config.shards.to_string())
+            .env("TOLLGATE_PROVIDER_URL", provider_url)
+            .env("TOLLGATE_HTTP_ADDR", format!("127.0.0.1:{http_port}"))
+            .env(
+                "RUST_LOG",
+                std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()),
+            )
+            .stdout(std::process::Stdio::null());
+        if std::env::var_os("TEST_LOG").is_none() {
+            command.stderr(std::process::Stdio::null());
+        }
+        for (k, v) in extra {
+            command.env(k, v);
+        }
+        let child = command.spawn().expect("tollgate worker starts");
+        Self { child, http_port }
+    }
+
+    /// Waits until `/readyz` answers 200.
+    pub async fn ready(&self) {
+        let url = format!("http://127.0.0.1:{}/readyz", self.http_port);
+        let http = reqwest::Client::new();
+        wait_for(
+            "a worker process to be ready",
+            Duration::from_secs(30),
+            || async { http.get(&url).send().await.is_ok_and(|r| r.status() == 200) },
+        )
+        .await;
+    }
+}
+
+impl Drop for WorkerProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}

@@ -74,6 +74,10 @@ impl fmt::Display for SecretUrl {
 pub struct Secret(String);
 
 impl Secret {
+    pub fn new(secret: impl Into<String>) -> Self {
+        Self(secret.into())
+    }
+
     pub fn expose(&self) -> &str {
         &self.0
     }

@@ -65,23 +65,34 @@ if holder and holder ~= ARGV[4] then
 end
 
 local q = redis.call('HMGET', KEYS[1], 'count', 'period_ms', 'burst', 'concurrency', 'paused',
-  'shadow_count', 'shadow_period_ms', 'shadow_burst')
+  'shadow_count', 'shadow_period_ms', 'shadow_burst', 'updated_at_ms')
 if q[5] == '1' then return {4, tonumber(ARGV[8])} end
 
--- A bucket: {interval, burst} or nil.
-local function bucket(count, period_ms, burst)
+-- A bucket: {interval, burst, changed_at} or nil. changed_at (microseconds)
+-- is when its quota last changed: places in line are re-spaced around it.
+local function bucket(count, period_ms, burst, changed_ms)
   count, period_ms, burst = tonumber(count), tonumber(period_ms), tonumber(burst)
   if not (count and period_ms and burst) or count < 1 or period_ms < 1 or burst < 1 then return nil end
-  return {period_ms * 1000 / count * pacing, burst}
+  local changed = tonumber(changed_ms)
+  -- Whole microseconds, rounded up: times near 1.8e15 µs have no room for
+  -- fractions in a double, and a rounded-down interval could send early.
+  return {math.ceil(period_ms * 1000 / count * pacing), burst, changed and changed * 1000 or now}
 end
 
-local tenant = bucket(q[1], q[2], q[3])
+local tenant = bucket(q[1], q[2], q[3], q[9])
 if not tenant then
-  local d = redis.call('HMGET', KEYS[11], 'count', 'period_ms', 'burst')
-  tenant = bucket(d[1], d[2], d[3]) or bucket(ARGV[1], ARGV[2], ARGV[3])
+  local d = redis.call('HMGET', KEYS[11], 'count', 'period_ms', 'burst', 'updated_at_ms')
+  tenant = bucket(d[1], d[2], d[3], d[4]) or bucket(ARGV[1], ARGV[2], ARGV[3], nil)
 end
-local r = redis.call('HMGET', KEYS[12], 'count', 'period_ms', 'burst')
-local route = bucket(r[1], r[2], r[3])
+local r = redis.call('HMGET', KEYS[12], 'count', 'period_ms', 'burst', 'updated_at_ms')
+local route = bucket(r[1], r[2], r[3], r[4])
+
+-- A place in line given at spacing `old`, re-spaced to the bucket's current
+-- spacing around the moment the quota changed.
+local function respace(place, old, b)
+  if not old or old <= 0 or math.abs(old - b[1]) <= 0.5 or place <= b[3] then return place end
+  return b[3] + (place - b[3]) * b[1] / old
+end
 
 -- The bucket's TAT, clamped so a quota change applies at once (under a steady
 -- quota it never exceeds the clamp), then pushed past any 429 penalty.
@@ -106,10 +117,8 @@ end
 -- jobs, one interval apart, starting at the first slot after tat.
 local function waiting_slots(waiting_key, tat, b, n)
   local v = redis.call('HMGET', waiting_key, 'at', 'iv')
-  local at, iv = tonumber(v[1]), tonumber(v[2])
-  if at and iv and iv > 0 and math.abs(iv - b[1]) > 0.5 then
-    at = now + (at - now) * b[1] / iv  -- the quota changed: re-space the queue
-  end
+  local at = tonumber(v[1])
+  if at then at = respace(at, tonumber(v[2]), b) end  -- the quota changed: re-space the line
   if not at or at < tat then at = tat end
   local next_at = at + b[1] * n
   redis.call('HSET', waiting_key, 'at', string.format('%.0f', next_at), 'iv', string.format('%.3f', b[1]))
@@ -133,12 +142,14 @@ if delay > horizon or route_delay > horizon then
   local b, b_tat, b_waiting = tenant, tenant_tat, KEYS[3]
   if route and route_delay > delay then b, b_tat, b_waiting = route, route_tat, KEYS[14] end
   local remaining = tonumber(ARGV[12])
-  if remaining and remaining > horizon then
-    -- Back from a hop of its wait: keep the place, re-spaced if the quota
-    -- changed since it was given (as the waiting queue itself was).
-    local old = tonumber(ARGV[13])
-    if old and old > 0 then remaining = remaining * b[1] / old end
-    return {1, math.ceil(remaining), math.floor(b[1]), 1, 1}
+  if remaining then
+    -- Back from (a hop of) its wait: keep the place, re-spaced like the line
+    -- if the quota changed since it was given. A place that has come and
+    -- gone (someone else took the slot) goes to the back of the line.
+    local place = respace(now + remaining, tonumber(ARGV[13]), b)
+    if place - now > horizon then
+      return {1, math.ceil(place - now), math.floor(b[1]), 1, 1}
+    end
   end
   return {1, math.ceil(waiting_slots(b_waiting, b_tat, b, n)), math.floor(b[1]), n, 0}
 end
@@ -153,10 +164,12 @@ end
 
 -- Granted: the send happens at `send`; each bucket's next slot counts from it.
 if route_delay > delay then delay = route_delay end
+delay = math.ceil(delay)
 local send = now + delay
+-- Times are rounded up to whole microseconds: a send is never early.
 local function advance(tat_key, tat, b)
-  local next_tat = math.max(tat, send) + b[1]
-  redis.call('SET', tat_key, string.format('%.0f', next_tat), 'PX', math.ceil((next_tat - now) / 1000) + 1000)
+  local next_tat = math.ceil(math.max(tat, send) + b[1])
+  redis.call('SET', tat_key, string.format('%d', next_tat), 'PX', math.ceil((next_tat - now) / 1000) + 1000)
 end
 advance(KEYS[2], tenant_tat, tenant)
 if route then advance(KEYS[13], route_tat, route) end
@@ -181,4 +194,4 @@ if shadow then
   redis.call('SET', KEYS[6], string.format('%.0f', snext), 'PX', math.ceil((snext - now) / 1000) + 1000)
 end
 
-return {0, math.floor(delay), verdict, math.floor(send)}
+return {0, delay, verdict, send}

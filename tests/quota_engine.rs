@@ -1,0 +1,538 @@
+//! The quota engine against the real Redis and RabbitMQ: route buckets,
+//! live changes, pause and cancel, 429 feedback, concurrency, shadow quotas,
+//! eligibility, and the admin API.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tollgate::fake_provider::Received;
+use tollgate_core::{Kind, TenantId};
+use tollgate_quota::{Change, Target};
+use tollgate_tests::{FakeProvider, Reply, TestEnv, fake_provider, max_in_window, wait_for};
+
+fn quota(rate: &str, burst: u32) -> tollgate_core::Quota {
+    tollgate_core::Quota::new(rate.parse().unwrap(), burst).unwrap()
+}
+
+fn tenant(name: &str) -> Target {
+    Target::Tenant(TenantId::parse(name).unwrap())
+}
+
+fn sent_keys(received: &[Received]) -> HashSet<String> {
+    received
+        .iter()
+        .filter(|r| r.status == 200)
+        .map(|r| r.idempotency_key.clone())
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_route_bucket_caps_two_tenants_together() {
+    let provider = FakeProvider::start(fake_provider::always_ok())
+        .await
+        .unwrap();
+    let env = TestEnv::new(&provider.url()).await;
+    env.set_quota("left", "100/s", 5).await;
+    env.set_quota("right", "100/s", 5).await;
+    let route = Target::Route(Kind::default_kind());
+    env.change(
+        route,
+        Change::SetQuota {
+            quota: quota("10/s", 1),
+            concurrency: None,
+        },
+    )
+    .await;
+    let worker = env.spawn_worker().await;
+    env.publish("left", 30, |_| {}).await;
+    env.publish("right", 30, |_| {}).await;
+
+    wait_for("60 sends", Duration::from_secs(60), || async {
+        provider.accepted() >= 60
+    })
+    .await;
+    let received = provider.received();
+    assert_eq!(sent_keys(&received).len(), 60);
+    assert_eq!(received.len(), 60, "nothing sent twice");
+    let times: Vec<Instant> = received.iter().map(|r| r.instant).collect();
+    let worst = max_in_window(&times, Duration::from_secs(1));
+    assert!(worst <= 11, "{worst} calls in one second on a 10/s route");
+    for t in ["left", "right"] {
+        assert!(received.iter().any(|r| r.tenant == t), "{t} was served");
+    }
+    worker.stop().await.unwrap();
+    env.cleanup().await;
+}
+
+/// Requests per second over `[from, to)`.
+fn rate_between(received: &[Received], from: Instant, to: Instant) -> f64 {
+    let n = received
+        .iter()
+        .filter(|r| r.instant >= from && r.instant < to)
+        .count();
+    n as f64 / to.duration_since(from).as_secs_f64()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lowering_and_raising_a_quota_apply_at_once() {
+    let provider = FakeProvider::start(fake_provider::always_ok())
+        .await
+        .unwrap();
+    let env = TestEnv::new(&provider.url()).await;
+    env.set_quota("live", "20/s", 1).await;
+    let worker = env.spawn_worker().await;
+    env.publish("live", 400, |_| {}).await;
+
+    wait_for("the backlog to flow", Duration::from_secs(20), || async {
+        provider.accepted() >= 40
+    })
+    .await;
+    let lowered = Instant::now();
+    env.set_quota("live", "5/s", 1).await;
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let raised = Instant::now();
+    env.set_quota("live", "20/s", 1).await;
+    tokio::time::sleep(Duration::from_secs(7)).await;
+
+    let received = provider.received();
+    // Once the change is visible (reservations reach at most 250 ms ahead),
+    // no second holds more than the new rate + 1.
+    let after_lowering: Vec<Instant> = received
+        .iter()
+        .map(|r| r.instant)
+        .filter(|&t| t >= lowered + Duration::from_millis(300) && t < raised)
+        .collect();
+    let worst = max_in_window(&after_lowering, Duration::from_secs(1));
+    assert!(
+        worst <= 6,
+        "{worst} sends in one second after lowering to 5/s"
+    );
+    // Raising: the parked backlog comes back faster than the old 5/s
+    // schedule would allow (every parked job re-asks within one 5 s hop).
+    let old_schedule = rate_between(&received, lowered + Duration::from_secs(1), raised);
+    let after_raise = rate_between(
+        &received,
+        raised + Duration::from_secs(5),
+        raised + Duration::from_secs(7),
+    );
+    eprintln!("rate while lowered: {old_schedule:.1}/s; 5-7 s after the raise: {after_raise:.1}/s");
+    assert!(old_schedule <= 5.5, "{old_schedule:.1}/s while lowered");
+    assert!(
+        after_raise > 2.0 * old_schedule,
+        "after the raise the rate went from {old_schedule:.1}/s to only {after_raise:.1}/s"
+    );
+    assert_eq!(
+        sent_keys(&received).len(),
+        received.len(),
+        "nothing sent twice"
+    );
+    worker.stop().await.unwrap();
+    env.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn paused_jobs_wait_resumed_jobs_go_and_cancelled_jobs_never_do() {
+    let provider = FakeProvider::start(fake_provider::always_ok())
+        .await
+        .unwrap();
+    let env = TestEnv::new(&provider.url()).await;
+    env.set_quota("sleepy", "50/s", 5).await;
+    env.change(tenant("sleepy"), Change::Pause).await;
+    let worker = env
+        .spawn_worker_with(|c| {
+            c.pause_recheck_ms = 1_000;
+        })
+        .await;
+    let jobs = env.publish("sleepy", 20, |_| {}).await;
+    // Cancel two: one by id, one by idempotency key.
+    let store = &env.quotas;
+    let actor = tollgate_quota::Actor {
+        who: "test".into(),
+        source: "cli",
+    };
+    let sleepy = TenantId::parse("sleepy").unwrap();
+    let ttl = Duration::from_secs(60);
+    store
+        .cancel(
+            &sleepy,
+            &tollgate_quota::Cancel::JobId(jobs[0].id.clone()),
+            ttl,
+            &actor,
+        )
+        .await
+        .unwrap();
+    store
+        .cancel(
+            &sleepy,
+            &tollgate_quota::Cancel::Key(jobs[1].idempotency_key.clone()),
+            ttl,
+            &actor,
+        )
+        .await
+        .unwrap();
+
+    wait_for(
+        "every job to be parked as paused",
+        Duration::from_secs(10),
+        || async {
+            worker
+                .metrics
+                .counter_sum("tollgate_parked_total", &[("reason", "paused")])
+                >= 20.0
+        },
+    )
+    .await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(
+        provider.received().is_empty(),
+        "nothing is sent while paused"
+    );
+    assert_eq!(
+        worker
+            .metrics
+            .counter_sum("tollgate_dead_letters_total", &[]),
+        0.0
+    );
+
+    env.change(tenant("sleepy"), Change::Resume).await;
+    wait_for("the 18 live jobs", Duration::from_secs(20), || async {
+        provider.accepted() >= 18
+    })
+    .await;
+    wait_for(
+        "the 2 cancelled jobs to be skipped",
+        Duration::from_secs(10),
+        || async {
+            worker
+                .metrics
+                .counter_sum("tollgate_jobs_completed_total", &[("outcome", "skipped")])
+                == 2.0
+        },
+    )
+    .await;
+    let received = provider.received();
+    assert_eq!(received.len(), 18, "each live job sent once");
+    for cancelled in &jobs[..2] {
+        assert!(
+            received.iter().all(|r| r.job_id != cancelled.id.as_str()),
+            "{} was cancelled",
+            cancelled.id
+        );
+    }
+    wait_for("queues to drain", Duration::from_secs(10), || async {
+        env.pending().await == 0
+    })
+    .await;
+    // The changes were audited.
+    let history = store.history(Some(&tenant("sleepy")), 10).await.unwrap();
+    let actions: Vec<&str> = history.iter().map(|e| e.action.as_str()).collect();
+    assert_eq!(actions, ["resume", "cancel", "cancel", "pause", "set"]);
+    assert!(history[3].new.paused && !history[3].old.paused);
+    worker.stop().await.unwrap();
+    env.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_429_slows_every_worker_and_loses_nothing() {
+    // The provider throttles the tenant once, 2 s long, on its 10th request.
+    let storm_at = Arc::new(std::sync::Mutex::new(None::<Instant>));
+    let seen = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let (storm, count) = (Arc::clone(&storm_at), Arc::clone(&seen));
+    let provider = FakeProvider::start(Arc::new(move |r: &Received, _| {
+        if count.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 9 {
+            *storm.lock().unwrap() = Some(r.instant);
+            return Reply {
+                status: 429,
+                retry_after: Some("2".into()),
+                delay: Duration::ZERO,
+            };
+        }
+        Reply::ok()
+    }))
+    .await
+    .unwrap();
+    let env = TestEnv::new(&provider.url()).await;
+    env.set_quota("stormy", "20/s", 1).await;
+    let workers = [
+        env.spawn_worker().await,
+        env.spawn_worker().await,
+        env.spawn_worker().await,
+    ];
+    env.publish("stormy", 60, |_| {}).await;
+
+    wait_for("all 60 sent", Duration::from_secs(60), || async {
+        provider.accepted() >= 60
+    })
+    .await;
+    let storm = storm_at
+        .lock()
+        .unwrap()
+        .expect("the provider throttled once");
+    let received = provider.received();
+    // Permits already granted when the 429 came may still go out (they were
+    // reserved at most 250 ms ahead); after that, no worker sends until
+    // Retry-After has passed.
+    let during: Vec<&Received> = received
+        .iter()
+        .filter(|r| {
+            r.instant > storm + Duration::from_millis(300)
+                && r.instant < storm + Duration::from_millis(1_900)
+        })
+        .collect();
+    assert!(
+        during.is_empty(),
+        "{} sends while the provider asked everyone to wait",
+        during.len()
+    );
+    assert_eq!(sent_keys(&received).len(), 60, "every job sent");
+    let throttled: f64 = workers
+        .iter()
+        .map(|w| {
+            w.metrics.counter_sum(
+                "tollgate_provider_requests_total",
+                &[("outcome", "throttled")],
+            )
+        })
+        .sum();
+    assert_eq!(throttled, 1.0, "counted as throttled, not failed");
+    let dead: f64 = workers
+        .iter()
+        .map(|w| w.metrics.counter_sum("tollgate_dead_letters_total", &[]))
+        .sum();
+    assert_eq!(dead, 0.0);
+    for w in workers {
+        w.stop().await.unwrap();
+    }
+    env.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrency_limits_in_flight_calls_across_the_fleet() {
+    let provider = FakeProvider::start(Arc::new(|_: &Received, _| Reply {
+        delay: Duration::from_millis(300),
+        ..Reply::ok()
+    }))
+    .await
+    .unwrap();
+    let env = TestEnv::new(&provider.url()).await;
+    env.change(
+        tenant("narrow"),
+        Change::SetQuota {
+            quota: quota("100/s", 10),
+            concurrency: Some(2),
+        },
+    )
+    .await;
+    let workers = [env.spawn_worker().await, env.spawn_worker().await];
+    env.publish("narrow", 12, |_| {}).await;
+
+    wait_for("12 sends", Duration::from_secs(30), || async {
+        provider.accepted() >= 12
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let starts: Vec<Instant> = provider.received().iter().map(|r| r.instant).collect();
+    // Each call lasts 300 ms: at most 2 may start within any 300 ms.
+    let worst = max_in_window(&starts, Duration::from_millis(290));
+    assert!(
+        worst <= 2,
+        "{worst} calls in flight at once with concurrency 2"
+    );
+    let limited: f64 = workers
+        .iter()
+        .map(|w| {
+            w.metrics.counter_sum(
+                "tollgate_permit_decisions_total",
+                &[("decision", "concurrency")],
+            )
+        })
+        .sum();
+    assert!(limited > 0.0, "the limit was met");
+    for w in workers {
+        w.stop().await.unwrap();
+    }
+    env.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shadow_quota_is_counted_but_not_enforced() {
+    let provider = FakeProvider::start(fake_provider::always_ok())
+        .await
+        .unwrap();
+    let env = TestEnv::new(&provider.url()).await;
+    env.set_quota("trial", "200/s", 50).await;
+    env.change(tenant("trial"), Change::SetShadow(quota("2/s", 1)))
+        .await;
+    let worker = env.spawn_worker().await;
+    env.publish("trial", 30, |_| {}).await;
+    wait_for("30 sends", Duration::from_secs(20), || async {
+        provider.accepted() >= 30
+    })
+    .await;
+    let m = &worker.metrics;
+    let allow = m.counter_sum("tollgate_shadow_decisions_total", &[("decision", "allow")]);
+    let deny = m.counter_sum("tollgate_shadow_decisions_total", &[("decision", "deny")]);
+    assert_eq!(
+        allow + deny,
+        30.0,
+        "every granted send was judged by the shadow quota"
+    );
+    assert!(
+        deny >= 25.0,
+        "2/s would have denied most of a 30-job burst (denied {deny})"
+    );
+    assert_eq!(
+        m.counter_sum("tollgate_permit_decisions_total", &[("decision", "denied")]),
+        0.0
+    );
+    worker.stop().await.unwrap();
+    env.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_eligibility_webhook_skips_jobs_without_using_quota() {
+    let provider = FakeProvider::start(fake_provider::always_ok())
+        .await
+        .unwrap();
+    // The webhook says "no longer true" (410) for odd job numbers.
+    let webhook = FakeProvider::start(Arc::new(|r: &Received, _| {
+        let n: u32 = r
+            .job_id
+            .rsplit('-')
+            .next()
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(0);
+        Reply::status(if n % 2 == 1 { 410 } else { 200 })
+    }))
+    .await
+    .unwrap();
+    let env = TestEnv::new(&provider.url()).await;
+    env.set_quota("crm", "100/s", 10).await;
+    let worker = env
+        .spawn_worker_with(|c| {
+            c.eligibility_url = Some(tollgate::config::SecretUrl::new(webhook.url()))
+        })
+        .await;
+    for n in 0..10 {
+        env.publish("crm", 1, |a| a.id = Some(format!("crm-job-{n}")))
+            .await;
+    }
+    wait_for("5 skipped", Duration::from_secs(20), || async {
+        worker
+            .metrics
+            .counter_sum("tollgate_jobs_completed_total", &[("outcome", "skipped")])
+            == 5.0
+    })
+    .await;
+    wait_for("5 sent", Duration::from_secs(20), || async {
+        provider.accepted() >= 5
+    })
+    .await;
+    let sent: Vec<String> = provider
+        .received()
+        .iter()
+        .map(|r| r.job_id.clone())
+        .collect();
+    assert_eq!(sent.len(), 5);
+    assert!(
+        sent.iter()
+            .all(|id| id.ends_with(['0', '2', '4', '6', '8'])),
+        "{sent:?}"
+    );
+    assert_eq!(webhook.received().len(), 10, "asked once per job");
+    // Skipped jobs took no permit.
+    assert_eq!(
+        worker.metrics.counter_sum(
+            "tollgate_permit_decisions_total",
+            &[("decision", "allowed")]
+        ),
+        5.0
+    );
+    worker.stop().await.unwrap();
+    env.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_admin_api_needs_the_right_token() {
+    let env = TestEnv::new("http://127.0.0.1:9/unused").await;
+    let state = tollgate::admin::AdminState {
+        store: Arc::new(tollgate::cli::quota_store(&env.config).unwrap()),
+        token: Some(tollgate::config::Secret::new("right-token")),
+        config_default: env.config.default_quota().unwrap(),
+        cancel_ttl: Duration::from_secs(60),
+    };
+    let (addr, _server) = tollgate::http::serve(
+        ([127, 0, 0, 1], 0).into(),
+        tollgate::admin::router(state),
+        std::future::pending(),
+    )
+    .await
+    .unwrap();
+    let http = reqwest::Client::new();
+    let url = |path: &str| format!("http://{addr}{path}");
+
+    let none = http.get(url("/v1/quotas")).send().await.unwrap();
+    assert_eq!(none.status(), 401);
+    let wrong = http
+        .get(url("/v1/quotas"))
+        .bearer_auth("wrong-token")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(wrong.status(), 401);
+    let put_wrong = http
+        .put(url("/v1/tenants/acme/quota"))
+        .bearer_auth("right-tokeN")
+        .json(&serde_json::json!({"rate": "1/s"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(put_wrong.status(), 401);
+    assert!(
+        env.quotas.get(&tenant("acme")).await.unwrap().is_none(),
+        "nothing changed"
+    );
+
+    let ok = http
+        .get(url("/v1/quotas"))
+        .bearer_auth("right-token")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(ok.status(), 200);
+    let put = http
+        .put(url("/v1/tenants/acme/quota"))
+        .bearer_auth("right-token")
+        .header("x-tollgate-actor", "alice")
+        .json(&serde_json::json!({"rate": "20/s", "burst": 2, "concurrency": 4}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(put.status(), 200);
+    let body: serde_json::Value = put.json().await.unwrap();
+    assert_eq!(body["new"]["quota"]["rate"], "20/s");
+    let stored = env.quotas.get(&tenant("acme")).await.unwrap().unwrap();
+    assert_eq!(stored.quota, Some(quota("20/s", 2)));
+    assert_eq!(stored.concurrency, Some(4));
+    let history: serde_json::Value = http
+        .get(url("/v1/history?target=tenant:acme"))
+        .bearer_auth("right-token")
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(history[0]["who"], "api:alice");
+    assert_eq!(history[0]["source"], "api");
+    let bad = http
+        .put(url("/v1/tenants/acme/quota"))
+        .bearer_auth("right-token")
+        .json(&serde_json::json!({"rate": "lots"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(bad.status(), 400);
+    env.cleanup().await;
+}
