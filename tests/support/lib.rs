@@ -117,15 +117,16 @@ impl TestEnv {
         let mut config = self.config.clone();
         tweak(&mut config);
         let metrics = Metrics::new(50, &[]);
-        let worker = Arc::new(
-            LiveWorker::connect(&config, metrics.clone())
-                .await
-                .expect("worker connects"),
-        );
+        let worker =
+            Arc::new(LiveWorker::new(&config, metrics.clone()).expect("valid worker config"));
         let (stop, mut stopped) = watch::channel(false);
         let task = tokio::spawn(Arc::clone(&worker).run(async move {
             let _ = stopped.wait_for(|&s| s).await;
         }));
+        wait_for("the worker to consume", Duration::from_secs(20), || async {
+            worker.readiness().await.consuming
+        })
+        .await;
         WorkerHandle {
             metrics,
             worker,

@@ -361,7 +361,7 @@ async fn tollgate_throughput(base: &Config, n: u32) -> anyhow::Result<(f64, f64)
     let redis = Redis::new(&config.redis_settings())?;
     let trips_before = client_round_trips(&redis).await?;
     let metrics = Metrics::new(config.tenant_label_limit, &[]);
-    let worker = Arc::new(LiveWorker::connect(&config, metrics.clone()).await?);
+    let worker = Arc::new(LiveWorker::new(&config, metrics.clone())?);
     let (stop, mut stopped) = watch::channel(false);
     let started = Instant::now();
     let task = tokio::spawn(worker.run(async move {

@@ -174,6 +174,9 @@ pub struct Config {
     pub redis_timeout_ms: u64,
     /// SIGTERM → stop consuming, finish in-flight work, exit within this.
     pub shutdown_grace_ms: u64,
+    /// Longest one delivery may take (holds, provider calls, retries held
+    /// in-process) before it is handed back to its queue as hung.
+    pub delivery_timeout_ms: u64,
     /// Connection and consumer name; defaults to the host name.
     pub name: Option<String>,
 }
@@ -218,6 +221,7 @@ impl Default for Config {
             tenant_label_allowlist: Vec::new(),
             redis_timeout_ms: 1_000,
             shutdown_grace_ms: 25_000,
+            delivery_timeout_ms: 300_000,
             name: None,
         }
     }

@@ -139,7 +139,7 @@ pub async fn run(base: &Config, args: &DemoArgs) -> anyhow::Result<()> {
             name: Some(format!("demo-worker-{i}")),
             ..config.clone()
         };
-        let worker = Arc::new(LiveWorker::connect(&worker_config, metrics.clone()).await?);
+        let worker = Arc::new(LiveWorker::new(&worker_config, metrics.clone())?);
         let mut stop = stop_rx.clone();
         workers.push(tokio::spawn(worker.run(async move {
             let _ = stop.wait_for(|&s| s).await;
@@ -446,8 +446,9 @@ fn summary(received: &[Received], due: &DueTimes, start: UnixMillis) -> String {
         start
     ));
     out.push_str(
-        "429s on `drifty` are the provider disagreeing with a quota set above its limit:\n\
-         tollgate parks those jobs for Retry-After and sends them later, without burning an attempt.\n",
+        "429s on `drifty` are the provider disagreeing with a quota set above its limit: each one\n\
+         parks the job for Retry-After and pushes the tenant's bucket past it, so every worker backs\n\
+         off; no attempt is burnt and nothing is lost. The fix is `tollgate quota set drifty --rate 8/s`.\n",
     );
     out
 }

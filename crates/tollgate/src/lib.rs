@@ -8,6 +8,7 @@ pub mod cli;
 pub mod config;
 pub mod demo;
 pub mod fake_provider;
+pub mod holds;
 pub mod http;
 pub mod logging;
 pub mod metrics;

@@ -56,7 +56,7 @@ async fn worker(config: Config) -> anyhow::Result<()> {
         );
     }
     let metrics = Metrics::new(config.tenant_label_limit, &config.tenant_label_allowlist);
-    let worker = Arc::new(LiveWorker::connect(&config, metrics.clone()).await?);
+    let worker = Arc::new(LiveWorker::new(&config, metrics.clone())?);
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let admin = tollgate::admin::AdminState {
         store: Arc::new(tollgate::cli::quota_store(&config)?),

@@ -2,35 +2,41 @@
 //! each one through the core's state machine ([`JobRun`]), carrying out its
 //! actions against RabbitMQ, Redis and the provider.
 //!
-//! [`Worker::process_one`] is one whole step (one delivery to its settled
-//! outcome); [`Worker::run`] is the thin loop around it.
+//! [`Worker::run`] supervises RabbitMQ *sessions*: connect, declare, consume;
+//! when a session is lost (broker restart, network, consumer cancelled) it
+//! reconnects with backoff and jitter, and `/readyz` says not ready meanwhile.
+//! Deliveries of a lost session are not acked: the broker hands them out
+//! again, and the idempotency record stops a second send.
+//! [`Worker::process_one`] is one whole step: one delivery to its settled
+//! outcome.
 
-use std::collections::HashMap;
 use std::future::Future;
+use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
-use anyhow::Context;
-use futures::StreamExt;
+use futures::{FutureExt, StreamExt};
 use governor::{DefaultDirectRateLimiter, RateLimiter};
+use tokio::sync::watch;
 use tokio::task::JoinSet;
-use tollgate_amqp::Broker;
 use tollgate_amqp::headers;
 use tollgate_amqp::lapin::message::Delivery;
 use tollgate_amqp::lapin::options::{BasicAckOptions, BasicNackOptions};
+use tollgate_amqp::{Broker, ConsumerControl, Topology};
 use tollgate_core::job::{Limits, decode};
 use tollgate_core::outcome::classify;
 use tollgate_core::ports::{PermitRequest, PermitStore, Provider, ProviderCall};
 use tollgate_core::{
     Action, Clock, Completion, DeadReason, Job, JobRun, Malformed, ParkReason, PermitDecision,
-    Policy, Progress, ProviderOutcome, TenantId, UnixMillis,
+    Policy, Progress, ProviderOutcome, UnixMillis,
 };
 use tollgate_provider::HttpProvider;
 use tollgate_quota::{Keys, Redis, RedisPermits};
 use tracing::{Instrument, debug, error, info, info_span, warn};
 
-use crate::config::Config;
+use crate::config::{Config, SecretUrl};
+use crate::holds::HoldGate;
 use crate::metrics::{Metrics, UNKNOWN_TENANT};
 use crate::system_clock::SystemClock;
 
@@ -40,91 +46,41 @@ pub enum Settled {
     Completed(Completion),
     Parked(ParkReason),
     DeadLettered(DeadReason),
-    /// Publishing its successor failed: handed back to the queue unharmed.
+    /// Not settled here (its successor could not be published, processing
+    /// panicked or overran): handed back to the queue unharmed.
     Requeued,
 }
 
 pub struct Worker<P, V> {
-    broker: Arc<Broker>,
+    amqp_url: SecretUrl,
+    topology: Topology,
+    name: String,
+    /// The current session's connection; `None` between sessions.
+    broker: RwLock<Option<Arc<Broker>>>,
     permits: P,
     provider: V,
     metrics: Metrics,
     policy: Policy,
     limits: Limits,
     clock: Arc<dyn Clock>,
-    name: String,
     concurrency: u16,
     shutdown_grace: Duration,
+    /// Longest one delivery may take before it is handed back (a hang).
+    delivery_timeout: Duration,
     consuming: AtomicBool,
+    /// Set on shutdown: held jobs park at once instead of waiting.
+    stopping: watch::Sender<bool>,
     holds: HoldGate,
     /// Optional per-pod ceiling on provider calls (governor, local only).
     ceiling: Option<DefaultDirectRateLimiter>,
-}
-
-/// Counts the deliveries of each tenant this pod holds in-process (waiting
-/// to be due, for a permit, or for a reserved slot), and refuses optional
-/// holds beyond `cap`.
-struct HoldGate {
-    cap: usize,
-    held: Arc<Mutex<HashMap<TenantId, usize>>>,
-}
-
-/// Releases its hold when dropped.
-struct HoldSlot {
-    tenant: TenantId,
-    held: Arc<Mutex<HashMap<TenantId, usize>>>,
-}
-
-impl HoldGate {
-    fn new(cap: usize) -> Self {
-        Self {
-            cap,
-            held: Arc::default(),
-        }
-    }
-
-    /// A slot for one more held delivery of `tenant`; `forced` slots are
-    /// counted but never refused.
-    fn hold(&self, tenant: &TenantId, forced: bool) -> Option<HoldSlot> {
-        let mut held = self.held.lock().expect("not poisoned");
-        let count = held.entry(tenant.clone()).or_insert(0);
-        if *count >= self.cap && !forced {
-            return None;
-        }
-        *count += 1;
-        Some(HoldSlot {
-            tenant: tenant.clone(),
-            held: Arc::clone(&self.held),
-        })
-    }
-}
-
-impl Drop for HoldSlot {
-    fn drop(&mut self) {
-        let mut held = self.held.lock().expect("not poisoned");
-        if let Some(count) = held.get_mut(&self.tenant) {
-            *count -= 1;
-            if *count == 0 {
-                held.remove(&self.tenant);
-            }
-        }
-    }
 }
 
 /// The worker wired to the real adapters.
 pub type LiveWorker = Worker<RedisPermits, HttpProvider>;
 
 impl LiveWorker {
-    /// Connects to RabbitMQ and Redis and builds the provider client.
-    pub async fn connect(config: &Config, metrics: Metrics) -> anyhow::Result<Self> {
-        let name = config.name();
-        let broker = Broker::connect(
-            config.amqp_url.expose(),
-            &config.amqp_url.redacted(),
-            &name,
-            config.topology()?,
-        )
-        .await?;
+    /// Builds the worker; nothing connects until [`Worker::run`].
+    pub fn new(config: &Config, metrics: Metrics) -> anyhow::Result<Self> {
         let redis = Arc::new(Redis::new(&config.redis_settings())?);
         let permits =
             RedisPermits::new(redis, Keys::new(&config.prefix), config.permit_settings()?);
@@ -133,17 +89,21 @@ impl LiveWorker {
             Duration::from_millis(config.provider_timeout_ms),
         )?;
         Ok(Self {
-            broker: Arc::new(broker),
+            amqp_url: config.amqp_url.clone(),
+            topology: config.topology()?,
+            name: config.name(),
+            broker: RwLock::new(None),
             permits,
             provider,
             metrics,
             policy: config.policy()?,
             limits: config.limits(),
             clock: Arc::new(SystemClock),
-            name,
             concurrency: config.concurrency,
             shutdown_grace: Duration::from_millis(config.shutdown_grace_ms),
+            delivery_timeout: Duration::from_millis(config.delivery_timeout_ms),
             consuming: AtomicBool::new(false),
+            stopping: watch::channel(false).0,
             holds: HoldGate::new(config.tenant_hold_max),
             ceiling: config.pod_max_rate()?.map(|rate| {
                 let period = Duration::from_micros(rate.interval_micros());
@@ -169,9 +129,43 @@ impl Readiness {
     }
 }
 
+/// How a session ended.
+enum SessionEnd {
+    /// Shutdown was asked for; the consumers are cancelled and the channel
+    /// stays open until in-flight deliveries are acked.
+    Shutdown(ConsumerControl, Arc<Broker>),
+    /// The connection or the consumer was lost.
+    Lost(String),
+}
+
+/// Reconnect backoff: 0.5 s doubling to 30 s, full jitter.
+fn reconnect_delay(failures: u32) -> Duration {
+    let ceiling = Duration::from_millis(500)
+        .saturating_mul(1 << failures.min(6))
+        .min(Duration::from_secs(30));
+    ceiling.mul_f64(rand::random::<f64>().max(0.1))
+}
+
+/// Decrements the in-flight gauge however a delivery ends (even a panic).
+struct InFlight(Metrics);
+
+impl InFlight {
+    fn new(metrics: &Metrics) -> Self {
+        metrics.in_flight().inc();
+        Self(metrics.clone())
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.in_flight().dec();
+    }
+}
+
 impl<P: PermitStore, V: Provider> Worker<P, V> {
-    pub fn broker(&self) -> &Arc<Broker> {
-        &self.broker
+    /// The current session's broker connection, if any.
+    pub fn broker(&self) -> Option<Arc<Broker>> {
+        self.broker.read().expect("not poisoned").clone()
     }
 
     pub async fn readiness(&self) -> Readiness {
@@ -179,68 +173,142 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
             .await
             .is_ok_and(|r| r.is_ok());
         Readiness {
-            amqp: self.broker.is_connected(),
+            amqp: self.broker().is_some_and(|b| b.is_connected()),
             redis,
             consuming: self.consuming.load(Ordering::Relaxed),
         }
     }
 
-    /// Declares the topology, then consumes until `shutdown` resolves or the
-    /// consumer ends. On shutdown: cancel the consumers (no new deliveries),
-    /// let in-flight deliveries settle within the grace period, close.
+    /// Runs sessions until `shutdown` resolves, reconnecting whenever one is
+    /// lost. On shutdown: cancel the consumers (no new deliveries), park held
+    /// jobs at once, let in-flight deliveries settle within the grace period,
+    /// then close. Returns an error only if the grace period ran out.
     pub async fn run(self: Arc<Self>, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
-        self.broker.declare_topology().await?;
-        let mut consumption = self
-            .broker
-            .consume(&self.name, self.concurrency)
-            .await
-            .context("starting consumers")?;
-        self.consuming.store(true, Ordering::Relaxed);
-        info!(name = %self.name, concurrency = self.concurrency, "worker consuming");
-
         let mut tasks = JoinSet::new();
         tokio::pin!(shutdown);
-        let ended = loop {
+        let mut failures = 0u32;
+        let last = loop {
+            match self.session(&mut tasks, &mut shutdown).await {
+                Ok(SessionEnd::Shutdown(control, broker)) => break Some((control, broker)),
+                Ok(SessionEnd::Lost(why)) => {
+                    failures = 1;
+                    warn!(reason = %why, "RabbitMQ session lost; reconnecting");
+                }
+                Err(e) => {
+                    failures += 1;
+                    warn!(
+                        error = format!("{e:#}"),
+                        failures, "RabbitMQ session failed"
+                    );
+                }
+            }
+            self.consuming.store(false, Ordering::Relaxed);
+            let wait = reconnect_delay(failures);
+            info!(
+                retry_in_ms = wait.as_millis() as u64,
+                "reconnecting to RabbitMQ"
+            );
             tokio::select! {
-                () = &mut shutdown => break Ok(()),
+                () = &mut shutdown => break None,
+                () = tokio::time::sleep(wait) => {}
+            }
+        };
+        self.consuming.store(false, Ordering::Relaxed);
+        self.stopping.send_replace(true);
+        info!(in_flight = tasks.len(), "draining in-flight deliveries");
+        let drained = tokio::time::timeout(self.shutdown_grace, async {
+            while tasks.join_next().await.is_some() {}
+        })
+        .await;
+        let left = tasks.len();
+        tasks.abort_all();
+        if let Some((control, broker)) = last {
+            control.close().await;
+            broker.close().await;
+        }
+        *self.broker.write().expect("not poisoned") = None;
+        match drained {
+            Ok(()) => Ok(()),
+            Err(_) => anyhow::bail!(
+                "grace period over with {left} deliveries unsettled: they return to their queue"
+            ),
+        }
+    }
+
+    /// One connection: declare, consume until shutdown or loss.
+    async fn session(
+        self: &Arc<Self>,
+        tasks: &mut JoinSet<Settled>,
+        shutdown: &mut std::pin::Pin<&mut impl Future<Output = ()>>,
+    ) -> anyhow::Result<SessionEnd> {
+        let broker = Arc::new(
+            Broker::connect(
+                self.amqp_url.expose(),
+                &self.amqp_url.redacted(),
+                &self.name,
+                self.topology.clone(),
+            )
+            .await?,
+        );
+        broker.declare_topology().await?;
+        let mut consumption = broker.consume(&self.name, self.concurrency).await?;
+        *self.broker.write().expect("not poisoned") = Some(Arc::clone(&broker));
+        self.consuming.store(true, Ordering::Relaxed);
+        info!(name = %self.name, concurrency = self.concurrency, "worker consuming");
+        let lost = loop {
+            tokio::select! {
+                () = shutdown.as_mut() => break None,
                 next = consumption.deliveries.next() => match next {
                     Some(Ok(delivery)) => {
-                        let worker = Arc::clone(&self);
-                        tasks.spawn(async move { worker.process_one(delivery).await });
+                        let (worker, broker) = (Arc::clone(self), Arc::clone(&broker));
+                        tasks.spawn(async move { worker.settle(&broker, delivery).await });
                     }
-                    Some(Err(e)) => break Err(anyhow::Error::new(e).context("consuming")),
-                    None => break Err(anyhow::anyhow!("the broker cancelled the consumer")),
+                    Some(Err(e)) => break Some(e.to_string()),
+                    None => break Some("the broker cancelled the consumer".to_owned()),
                 },
                 Some(_) = tasks.join_next(), if !tasks.is_empty() => {}
             }
         };
         self.consuming.store(false, Ordering::Relaxed);
-        if let Err(e) = consumption.control.cancel().await {
-            warn!(error = %e, "cancelling consumers");
+        match lost {
+            Some(why) => {
+                broker.close().await;
+                Ok(SessionEnd::Lost(why))
+            }
+            None => {
+                if let Err(e) = consumption.control.cancel().await {
+                    warn!(error = %e, "cancelling consumers");
+                }
+                Ok(SessionEnd::Shutdown(consumption.control, broker))
+            }
         }
-        let in_flight = tasks.len();
-        info!(in_flight, "draining in-flight deliveries");
-        let drained = tokio::time::timeout(self.shutdown_grace, async {
-            while tasks.join_next().await.is_some() {}
-        })
-        .await;
-        if drained.is_err() {
-            warn!(
-                left = tasks.len(),
-                "grace period over: unsettled deliveries return to their queue"
-            );
-            tasks.abort_all();
-        }
-        consumption.control.close().await;
-        self.broker.close().await;
-        ended
+    }
+
+    /// Runs [`Worker::process_one`] guarded: a panic or an overrun hands the
+    /// delivery back to its queue (its delivery count rises, so a message
+    /// that keeps crashing workers ends in the DLQ as `poison`).
+    async fn settle(&self, broker: &Broker, delivery: Delivery) -> Settled {
+        let acker = delivery.acker.clone();
+        let work = AssertUnwindSafe(self.process_one(broker, delivery)).catch_unwind();
+        let failure = match tokio::time::timeout(self.delivery_timeout, work).await {
+            Ok(Ok(settled)) => return settled,
+            Ok(Err(_)) => "processing panicked",
+            Err(_) => "processing overran delivery_timeout_ms",
+        };
+        error!(failure, "handing the delivery back to its queue");
+        let requeue = BasicNackOptions {
+            requeue: true,
+            ..Default::default()
+        };
+        let _ = acker.nack(requeue).await;
+        Settled::Requeued
     }
 
     /// Carries one delivery to a settled outcome and acks it (or hands it
     /// back when its successor could not be published).
-    pub async fn process_one(&self, delivery: Delivery) -> Settled {
-        self.metrics.in_flight().inc();
-        let settled = match self.handle(&delivery).await {
+    pub async fn process_one(&self, broker: &Broker, delivery: Delivery) -> Settled {
+        let _in_flight = InFlight::new(&self.metrics);
+        match self.handle(broker, &delivery).await {
             Ok(settled) => {
                 if let Err(e) = delivery.acker.ack(BasicAckOptions::default()).await {
                     warn!(error = %e, "ack failed: the broker will redeliver, idempotency stops a double send");
@@ -256,12 +324,14 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
                 let _ = delivery.acker.nack(requeue).await;
                 Settled::Requeued
             }
-        };
-        self.metrics.in_flight().dec();
-        settled
+        }
     }
 
-    async fn handle(&self, delivery: &Delivery) -> Result<Settled, tollgate_amqp::AmqpError> {
+    async fn handle(
+        &self,
+        broker: &Broker,
+        delivery: &Delivery,
+    ) -> Result<Settled, tollgate_amqp::AmqpError> {
         let now = self.clock.now();
         let progress = headers::read_progress(delivery.properties.headers().as_ref());
         let job = progress
@@ -269,7 +339,11 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
             .and_then(|(job, p)| self.check_envelope(delivery, &job).map(|()| (job, p)));
         let (job, progress) = match job {
             Ok(ok) => ok,
-            Err(malformed) => return self.reject_malformed(delivery, &malformed, now).await,
+            Err(malformed) => {
+                return self
+                    .reject_malformed(broker, delivery, &malformed, now)
+                    .await;
+            }
         };
         let tenant = self.metrics.tenant(job.tenant.as_str());
         if let Some(entered) = progress.enqueued_at.or_else(|| {
@@ -286,9 +360,15 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
             tenant_id = %job.tenant,
             attempt = progress.attempt + 1,
         );
-        self.drive(delivery, &job, &tenant, JobRun::new(&job, progress, now))
-            .instrument(span)
-            .await
+        self.drive(
+            broker,
+            delivery,
+            &job,
+            &tenant,
+            JobRun::new(&job, progress, now),
+        )
+        .instrument(span)
+        .await
     }
 
     /// The checks that need more than the body: the routing key must be the
@@ -312,12 +392,13 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
 
     async fn reject_malformed(
         &self,
+        broker: &Broker,
         delivery: &Delivery,
         malformed: &Malformed,
         now: UnixMillis,
     ) -> Result<Settled, tollgate_amqp::AmqpError> {
         let detail = malformed.to_string();
-        self.broker
+        broker
             .dead_letter(delivery, None, DeadReason::Malformed, &detail, now)
             .await?;
         // Only a valid tenant may become a label.
@@ -332,6 +413,7 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
 
     async fn drive(
         &self,
+        broker: &Broker,
         delivery: &Delivery,
         job: &Job,
         tenant: &str,
@@ -365,7 +447,17 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
                         decision = "held",
                         wait_ms = now.until(until).as_millis() as u64
                     );
-                    tokio::time::sleep(now.until(until)).await;
+                    let mut stopping = self.stopping.subscribe();
+                    tokio::select! {
+                        () = tokio::time::sleep(now.until(until)) => {}
+                        // Shutting down: park what may be parked, at once.
+                        Ok(_) = stopping.wait_for(|&s| s), if reason.is_some() => {
+                            now = self.clock.now();
+                            let reason = reason.expect("guarded");
+                            action = run.park_instead(&self.policy, now, until, reason);
+                            continue;
+                        }
+                    }
                     now = self.clock.now();
                     run.next(&self.policy, now)
                 }
@@ -379,9 +471,7 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
                         enqueued_at: Some(now.saturating_add(tier)),
                         ..run.progress().clone()
                     };
-                    self.broker
-                        .park(delivery, &job.tenant, &progress, tier)
-                        .await?;
+                    broker.park(delivery, &job.tenant, &progress, tier).await?;
                     self.metrics.tier_publish(tier);
                     if !hop {
                         self.metrics.parked(tenant, reason);
@@ -440,7 +530,7 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
                     run.on_provider(&self.policy, outcome, now, rand::random::<f64>())
                 }
                 Action::DeadLetter { reason, detail } => {
-                    self.broker
+                    broker
                         .dead_letter(delivery, Some(run.progress()), reason, &detail, now)
                         .await?;
                     self.metrics
