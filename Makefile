@@ -22,10 +22,12 @@ lint:
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 
 # Unit tests (pure core, property tests) and integration tests against the
-# real RabbitMQ and Redis; each test uses its own random prefix.
+# real RabbitMQ and Redis; each test uses its own random prefix. Then a serial
+# phase for the tests that stop the shared RabbitMQ (they restart it).
 test: services
 	$(CARGO) build --workspace --all-targets
 	$(CARGO) test --workspace
+	$(CARGO) test -p tollgate-tests --test faults -- --ignored --test-threads=1
 
 # A live demonstration: fake provider with its own per-tenant limits, four
 # tenants, three workers, a table per tenant; about 30 s, exits 0.

@@ -56,6 +56,12 @@ impl TestEnv {
     /// A fresh prefix with its topology declared. Settings are sized for
     /// tests: short backoff, few attempts, two shards.
     pub async fn new(provider_url: &str) -> Self {
+        Self::new_with(provider_url, |_| {}).await
+    }
+
+    /// Like [`TestEnv::new`], with the config adjusted before anything is
+    /// declared (delivery limit, Redis URL, …).
+    pub async fn new_with(provider_url: &str, tweak: impl FnOnce(&mut Config)) -> Self {
         init_logs();
         let prefix = format!(
             "tgtest-{}",
@@ -75,6 +81,8 @@ impl TestEnv {
             // Connection URLs still come from TOLLGATE_AMQP_URL / TOLLGATE_REDIS_URL.
             ..Config::load(None).expect("TOLLGATE_* environment is valid")
         };
+        let mut config = config;
+        tweak(&mut config);
         config.validate().expect("test config is valid");
         let broker = cli::connect_broker(&config, "test")
             .await
@@ -206,6 +214,13 @@ impl TestEnv {
             .iter()
             .map(cli::describe_dead_letter)
             .collect()
+    }
+
+    /// A fresh connection after the broker was restarted under us.
+    pub async fn reconnect(&mut self) {
+        self.broker = cli::connect_broker(&self.config, "test")
+            .await
+            .expect("RabbitMQ is back");
     }
 
     /// Deletes this test's queues, exchanges and Redis keys.
@@ -353,4 +368,72 @@ impl Drop for WorkerProcess {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// A `redis-server` of this test's own on a free port, which the test may
+/// stop and start without touching the shared one.
+pub struct PrivateRedis {
+    pub port: u16,
+    child: Option<std::process::Child>,
+}
+
+impl PrivateRedis {
+    pub async fn start() -> Self {
+        let mut redis = Self {
+            port: free_port(),
+            child: None,
+        };
+        redis.start_again().await;
+        redis
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    pub async fn start_again(&mut self) {
+        assert!(self.child.is_none(), "already running");
+        let child = std::process::Command::new("redis-server")
+            .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
+            .args(["--save", "", "--appendonly", "no"])
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .expect("redis-server starts");
+        self.child = Some(child);
+        let port = self.port;
+        wait_for(
+            "the private redis",
+            Duration::from_secs(10),
+            || async move { std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() },
+        )
+        .await;
+    }
+
+    /// Kills it (state is lost, as in a crash without persistence).
+    pub fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+impl Drop for PrivateRedis {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// Accepted sends per idempotency key: a provider that honours
+/// `Idempotency-Key` performs each key's effect once, however many requests
+/// carry it. Returns (keys with an effect, requests repeating a key).
+pub fn effects(received: &[Received]) -> (std::collections::HashSet<String>, usize) {
+    let ok: Vec<&Received> = received
+        .iter()
+        .filter(|r| (200..300).contains(&r.status))
+        .collect();
+    let keys: std::collections::HashSet<String> =
+        ok.iter().map(|r| r.idempotency_key.clone()).collect();
+    let repeats = ok.len() - keys.len();
+    (keys, repeats)
 }

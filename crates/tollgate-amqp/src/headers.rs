@@ -14,11 +14,40 @@ pub const NOT_BEFORE_MS: &str = "x-tollgate-not-before-ms";
 pub const PARK_REASON: &str = "x-tollgate-park-reason";
 pub const ENQUEUED_MS: &str = "x-tollgate-enqueued-ms";
 pub const SLOT_INTERVAL_US: &str = "x-tollgate-slot-interval-us";
+pub const REDELIVERIES: &str = "x-tollgate-redeliveries";
+/// Set by RabbitMQ on a redelivered quorum-queue message: failed deliveries
+/// of this copy so far.
+pub const RABBITMQ_DELIVERY_COUNT: &str = "x-delivery-count";
 /// On dead letters: `malformed`, `expired`, `rejected`, `exhausted`, `poison`.
 pub const REASON: &str = "x-tollgate-reason";
 /// On dead letters: the precise cause, for humans.
 pub const DETAIL: &str = "x-tollgate-detail";
 pub const DEAD_AT_MS: &str = "x-tollgate-dead-at-ms";
+
+/// Every header tollgate writes.
+pub const ALL: [&str; 11] = [
+    REDELIVERIES,
+    ATTEMPT,
+    FIRST_SEEN_MS,
+    QUOTA_WAIT_MS,
+    NOT_BEFORE_MS,
+    PARK_REASON,
+    ENQUEUED_MS,
+    SLOT_INTERVAL_US,
+    REASON,
+    DETAIL,
+    DEAD_AT_MS,
+];
+
+/// `headers` without `name`.
+pub fn without(headers: FieldTable, name: &str) -> FieldTable {
+    if !headers.contains_key(name) {
+        return headers;
+    }
+    let mut map = headers.inner().clone();
+    map.remove(name);
+    FieldTable::from(map)
+}
 
 fn int(headers: &FieldTable, name: &'static str) -> Result<Option<i64>, Malformed> {
     let Some(value) = headers.inner().get(name) else {
@@ -86,6 +115,13 @@ pub fn read_progress(headers: Option<&FieldTable>) -> Result<Progress, Malformed
         park_reason,
         enqueued_at: int(h, ENQUEUED_MS)?.map(UnixMillis),
         slot_interval: int(h, SLOT_INTERVAL_US)?.map(|us| Duration::from_micros(us as u64)),
+        // Earlier copies' unsettled deliveries plus this copy's.
+        redeliveries: [int(h, REDELIVERIES)?, int(h, RABBITMQ_DELIVERY_COUNT)?]
+            .into_iter()
+            .flatten()
+            .fold(0u32, |sum, n| {
+                sum.saturating_add(u32::try_from(n).unwrap_or(u32::MAX))
+            }),
     })
 }
 
@@ -108,6 +144,9 @@ pub fn write_progress(headers: &mut FieldTable, progress: &Progress) {
         SLOT_INTERVAL_US,
         progress.slot_interval.map(|d| d.as_micros() as i64),
     );
+    set(REDELIVERIES, Some(i64::from(progress.redeliveries)));
+    // This copy's count is folded into ours; the new copy starts from zero.
+    set(RABBITMQ_DELIVERY_COUNT, None);
     match progress.park_reason {
         Some(r) => {
             headers.insert(
@@ -124,10 +163,7 @@ pub fn set_text(headers: &mut FieldTable, name: &str, value: &str) {
 }
 
 fn remove(headers: &mut FieldTable, name: &str) {
-    let mut map = headers.inner().clone();
-    if map.remove(name).is_some() {
-        *headers = FieldTable::from(map);
-    }
+    *headers = without(std::mem::take(headers), name);
 }
 
 #[cfg(test)]
@@ -144,10 +180,23 @@ mod tests {
             park_reason: Some(ParkReason::Throttled),
             enqueued_at: Some(UnixMillis(8_000)),
             slot_interval: Some(Duration::from_micros(50_000)),
+            redeliveries: 2,
         };
         let mut headers = FieldTable::default();
         write_progress(&mut headers, &progress);
         assert_eq!(read_progress(Some(&headers)).unwrap(), progress);
+    }
+
+    #[test]
+    fn redeliveries_add_up_across_copies() {
+        let mut headers = FieldTable::default();
+        headers.insert(REDELIVERIES.into(), AMQPValue::LongLongInt(2));
+        headers.insert(RABBITMQ_DELIVERY_COUNT.into(), AMQPValue::LongInt(3));
+        let progress = read_progress(Some(&headers)).unwrap();
+        assert_eq!(progress.redeliveries, 5);
+        write_progress(&mut headers, &progress);
+        assert!(!headers.contains_key(RABBITMQ_DELIVERY_COUNT));
+        assert_eq!(read_progress(Some(&headers)).unwrap().redeliveries, 5);
     }
 
     #[test]

@@ -326,6 +326,71 @@ impl Broker {
         Ok(out)
     }
 
+    /// Moves dead letters back to the jobs exchange: every message of the
+    /// DLQ for which `select` is true (at most `limit`) is republished with
+    /// its body (so its idempotency key) unchanged and tollgate's progress
+    /// headers removed (attempts start again), confirmed, then acked; the
+    /// others stay where they were. Returns (replayed, left).
+    pub async fn replay_dead_letters(
+        &self,
+        select: impl Fn(&Delivery) -> bool,
+        limit: usize,
+    ) -> Result<(usize, usize), AmqpError> {
+        let queue = self.topology.dead_queue();
+        let channel = self.conn.create_channel().await?;
+        let (mut replayed, mut left) = (0, 0);
+        loop {
+            let Some(msg) = channel
+                .basic_get(queue.as_str().into(), BasicGetOptions { no_ack: false })
+                .await
+                .map_err(|e| AmqpError::declare(&queue, e))?
+            else {
+                break;
+            };
+            let delivery = msg.delivery;
+            if replayed >= limit || !select(&delivery) {
+                left += 1;
+                continue;
+            }
+            let mut fresh = delivery.properties.headers().clone().unwrap_or_default();
+            let rabbitmq = ["x-death", headers::RABBITMQ_DELIVERY_COUNT];
+            for name in headers::ALL.into_iter().chain(rabbitmq) {
+                fresh = headers::without(fresh, name);
+            }
+            let props = delivery
+                .properties
+                .clone()
+                .with_delivery_mode(2)
+                .with_headers(fresh);
+            let (exchange, key) = (self.topology.jobs_exchange(), delivery.routing_key.as_str());
+            self.publish(&exchange, key, &delivery.data, props).await?;
+            channel
+                .basic_ack(delivery.delivery_tag, Default::default())
+                .await?;
+            replayed += 1;
+        }
+        if left > 0 {
+            let requeue = BasicNackOptions {
+                multiple: true,
+                requeue: true,
+            };
+            channel.basic_nack(0, requeue).await?;
+        }
+        let _ = channel.close(200, "replayed".into()).await;
+        Ok((replayed, left))
+    }
+
+    /// Deletes every message of `queue`; returns how many.
+    pub async fn purge(&self, queue: &str) -> Result<u32, AmqpError> {
+        let channel = self.conn.create_channel().await?;
+        let purged = channel
+            .queue_purge(queue.into(), Default::default())
+            .await
+            .map_err(|e| AmqpError::declare(queue, e))?;
+        let _ = channel.close(200, "purged".into()).await;
+        Ok(purged)
+    }
+
     pub async fn close(&self) {
         let _ = self.conn.close(200, "bye".into()).await;
     }

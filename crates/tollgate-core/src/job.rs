@@ -205,6 +205,11 @@ pub struct Progress {
     pub enqueued_at: Option<UnixMillis>,
     /// Spacing of the line the job's place (quota wait) is in.
     pub slot_interval: Option<Duration>,
+    /// Deliveries that never settled (the worker crashed, hung or panicked),
+    /// summed over every copy: RabbitMQ's own delivery count starts again
+    /// for a parked copy, so a job that keeps crashing workers between
+    /// parks is only caught by this.
+    pub redeliveries: u32,
 }
 
 #[cfg(test)]

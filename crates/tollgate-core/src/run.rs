@@ -22,6 +22,8 @@ pub struct Policy {
     pub hold_max: Duration,
     /// Failed provider attempts (408/5xx/timeout) before `exhausted`.
     pub max_attempts: u32,
+    /// Unsettled deliveries (crashes, hangs) before `poison`.
+    pub max_redeliveries: u32,
     pub backoff: Backoff,
     pub tiers: DelayTiers,
     /// Wait before asking again when the permit store cannot be reached.
@@ -218,6 +220,15 @@ impl JobRun {
 
     /// The first step, and the step after every [`Action::Hold`].
     pub fn next(&mut self, policy: &Policy, now: UnixMillis) -> Action {
+        if self.progress.redeliveries >= policy.max_redeliveries {
+            return Action::DeadLetter {
+                reason: DeadReason::Poison,
+                detail: format!(
+                    "delivered {} times without settling: it crashed, hung or panicked workers",
+                    self.progress.redeliveries
+                ),
+            };
+        }
         if let Some(expired) = self.expired(now) {
             return expired;
         }
@@ -464,6 +475,7 @@ mod tests {
         Policy {
             hold_max: Duration::from_secs(1),
             max_attempts: 3,
+            max_redeliveries: 5,
             backoff: Backoff {
                 base: Duration::from_millis(500),
                 max: Duration::from_secs(60),
@@ -810,6 +822,32 @@ mod tests {
             run.on_eligibility(&p, Eligibility::Unavailable, T0),
             Action::Hold {
                 reason: Some(ParkReason::Backoff),
+                ..
+            }
+        ));
+    }
+
+    #[test]
+    fn a_job_that_keeps_crashing_workers_is_poison() {
+        let p = policy();
+        let crashed = Progress {
+            redeliveries: 4,
+            ..Progress::default()
+        };
+        let mut run = JobRun::new(&job(""), crashed.clone(), T0);
+        assert_eq!(run.next(&p, T0), Action::CheckEligibility);
+        let mut run = JobRun::new(
+            &job(""),
+            Progress {
+                redeliveries: 5,
+                ..crashed
+            },
+            T0,
+        );
+        assert!(matches!(
+            run.next(&p, T0),
+            Action::DeadLetter {
+                reason: DeadReason::Poison,
                 ..
             }
         ));

@@ -224,6 +224,27 @@ pub enum DlqCommand {
         #[arg(long)]
         show_payload: bool,
     },
+    /// Send dead letters back to be processed again: attempts start over,
+    /// the idempotency key is kept (a job already sent is not sent again).
+    #[command(
+        after_help = "Examples:\n  tollgate dlq replay --reason exhausted --tenant acme\n  tollgate dlq replay --limit 100"
+    )]
+    Replay {
+        /// Only dead letters with this reason (malformed, expired, rejected, exhausted, poison).
+        #[arg(long)]
+        reason: Option<String>,
+        #[arg(long)]
+        tenant: Option<String>,
+        /// Most dead letters to replay.
+        #[arg(long, default_value_t = usize::MAX, hide_default_value = true)]
+        limit: usize,
+    },
+    /// Delete every dead letter (asks for confirmation unless --yes).
+    #[command(after_help = "Example: tollgate dlq purge --yes")]
+    Purge {
+        #[arg(long)]
+        yes: bool,
+    },
 }
 
 /// What a command needs to talk to RabbitMQ.
@@ -651,6 +672,63 @@ pub async fn dlq(config: &Config, command: &DlqCommand) -> anyhow::Result<()> {
                 }
             }
         }
+        DlqCommand::Replay {
+            reason,
+            tenant,
+            limit,
+        } => {
+            if let Some(r) = reason
+                && DeadReason::parse(r).is_none()
+            {
+                bail!(
+                    "--reason {r:?} is not one of malformed, expired, rejected, exhausted, poison"
+                );
+            }
+            let broker = connect_broker(config, "dlq").await?;
+            let select = |d: &tollgate_amqp::lapin::message::Delivery| {
+                let letter = describe_dead_letter(d);
+                reason.as_ref().is_none_or(|r| *r == letter.reason)
+                    && tenant.as_ref().is_none_or(|t| *t == letter.tenant)
+            };
+            let (replayed, left) = broker.replay_dead_letters(select, *limit).await?;
+            broker.close().await;
+            println!(
+                "replayed {replayed} dead letter(s); {left} left in {}",
+                broker.topology().dead_queue()
+            );
+        }
+        DlqCommand::Purge { yes } => {
+            let broker = connect_broker(config, "dlq").await?;
+            let queue = broker.topology().dead_queue();
+            let depth = broker.queue_depth(&queue).await?;
+            if !yes
+                && !confirm(
+                    &format!(
+                        "delete {depth} dead letter(s) from {queue}? type the queue name to confirm: "
+                    ),
+                    &queue,
+                )?
+            {
+                broker.close().await;
+                bail!("not confirmed; nothing deleted");
+            }
+            let purged = broker.purge(&queue).await?;
+            broker.close().await;
+            println!("purged {purged} dead letter(s) from {queue}");
+        }
     }
     Ok(())
+}
+
+/// Asks on the terminal; refuses when there is no terminal to ask.
+fn confirm(question: &str, expected: &str) -> anyhow::Result<bool> {
+    use std::io::{BufRead, IsTerminal, Write};
+    if !std::io::stdin().is_terminal() {
+        bail!("refusing to purge without a terminal to confirm on: pass --yes");
+    }
+    print!("{question}");
+    std::io::stdout().flush()?;
+    let mut answer = String::new();
+    std::io::stdin().lock().read_line(&mut answer)?;
+    Ok(answer.trim() == expected)
 }

@@ -298,6 +298,7 @@ impl Config {
         Ok(Policy {
             hold_max: Duration::from_millis(self.hold_max_ms),
             max_attempts: self.max_attempts,
+            max_redeliveries: self.delivery_limit,
             backoff: Backoff {
                 base: Duration::from_millis(self.backoff_base_ms),
                 max: Duration::from_millis(self.backoff_max_ms),

@@ -1,0 +1,514 @@
+//! Faults injected by the tests themselves, on this machine only: whatever
+//! dies, no job is lost, none is sent twice, and the fleet recovers by
+//! itself. Every test states its accounting:
+//! published = sent + dead-lettered + skipped, repeated effects = 0.
+//!
+//! The RabbitMQ restart stops the shared broker, so it is `#[ignore]`d here
+//! and run alone in the serial phase of `make test`
+//! (`cargo test --test faults -- --ignored --test-threads=1`).
+
+use std::collections::HashSet;
+use std::process::Command;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use tollgate_tests::{
+    FakeProvider, PrivateRedis, Received, Reply, TestEnv, WorkerProcess, effects, fake_provider,
+    tollgate_bin, wait_for,
+};
+
+fn ids(jobs: &[tollgate_core::Job]) -> HashSet<String> {
+    jobs.iter().map(|j| j.idempotency_key.to_string()).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_9_of_one_worker_mid_run_loses_nothing() {
+    let provider = FakeProvider::start(fake_provider::always_ok())
+        .await
+        .unwrap();
+    let env = TestEnv::new(&provider.url()).await;
+    env.set_quota("crashy", "200/s", 20).await;
+    let timeout = [("TOLLGATE_PROVIDER_TIMEOUT_MS", "2000")];
+    let mut workers: Vec<WorkerProcess> = (0..3)
+        .map(|_| WorkerProcess::spawn(&env, &provider.url(), &timeout))
+        .collect();
+    for w in &workers {
+        w.ready().await;
+    }
+    let jobs = env.publish("crashy", 1000, |_| {}).await;
+
+    wait_for("a third of the run", Duration::from_secs(60), || async {
+        provider.accepted() >= 330
+    })
+    .await;
+    let victim = workers.remove(0);
+    assert!(
+        Command::new("kill")
+            .args(["-9", &victim.child.id().to_string()])
+            .status()
+            .unwrap()
+            .success()
+    );
+    drop(victim);
+    let replacement = WorkerProcess::spawn(&env, &provider.url(), &timeout);
+    replacement.ready().await;
+
+    wait_for("every job's effect", Duration::from_secs(90), || async {
+        effects(&provider.received()).0.len() >= 1000
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let (sent, repeats) = effects(&provider.received());
+    let dead = env.dead_letters().await.len();
+    eprintln!(
+        "kill -9: published 1000 = sent {} + dead-lettered {dead}; repeated requests {repeats}",
+        sent.len()
+    );
+    assert_eq!(sent, ids(&jobs), "published = sent");
+    assert_eq!(dead, 0);
+    // A job the killed worker had sent but not yet recorded is sent again
+    // with the same Idempotency-Key (the provider performs it once); only
+    // calls in flight at the kill can be in that window.
+    assert!(repeats <= 64, "{repeats} repeated requests");
+    wait_for("queues to drain", Duration::from_secs(10), || async {
+        env.pending().await == 0
+    })
+    .await;
+    env.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_down_means_no_call_then_everything_once_it_returns() {
+    let mut redis = PrivateRedis::start().await;
+    let provider = FakeProvider::start(fake_provider::always_ok())
+        .await
+        .unwrap();
+    let url = redis.url();
+    // The quota comes from config: a restarted Redis has lost what was stored.
+    let env = TestEnv::new_with(&provider.url(), |c| {
+        c.redis_url = tollgate::config::SecretUrl::new(url);
+        c.default_rate = "100/s".into();
+        c.default_burst = 10;
+    })
+    .await;
+    let worker = env.spawn_worker().await;
+    let jobs = env.publish("fragile", 300, |_| {}).await;
+
+    wait_for("the run to start", Duration::from_secs(30), || async {
+        provider.accepted() >= 80
+    })
+    .await;
+    redis.stop();
+    let down = Instant::now();
+    wait_for(
+        "/readyz to see Redis gone",
+        Duration::from_secs(10),
+        || async { !worker.worker.readiness().await.redis },
+    )
+    .await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let up = Instant::now();
+    redis.start_again().await;
+
+    wait_for("every job's effect", Duration::from_secs(60), || async {
+        effects(&provider.received()).0.len() >= 300
+    })
+    .await;
+    let received = provider.received();
+    // Calls already permitted when Redis died (reserved at most 250 ms ahead,
+    // answered at once) may finish; after that, none until it is back.
+    let while_down: Vec<&Received> = received
+        .iter()
+        .filter(|r| r.instant > down + Duration::from_millis(500) && r.instant < up)
+        .collect();
+    assert!(
+        while_down.is_empty(),
+        "{} provider calls while Redis was down",
+        while_down.len()
+    );
+    let (sent, repeats) = effects(&received);
+    eprintln!(
+        "redis restart: published 300 = sent {} + dead-lettered 0; repeats {repeats}",
+        sent.len()
+    );
+    assert_eq!(sent, ids(&jobs));
+    assert_eq!(repeats, 0);
+    assert!(env.dead_letters().await.is_empty());
+    assert!(worker.worker.readiness().await.ready(), "ready again");
+    worker.stop().await.unwrap();
+    env.cleanup().await;
+}
+
+/// Deterministic per (key, attempt): about 30 % answer 500 and 5 % time out.
+fn chaos(r: &Received, _: usize) -> Reply {
+    let mut h: u64 = 1469598103934665603;
+    for b in r.idempotency_key.bytes().chain([r.attempt as u8]) {
+        h = (h ^ u64::from(b)).wrapping_mul(1099511628211);
+    }
+    match h % 100 {
+        0..30 => Reply::status(500),
+        30..35 => Reply {
+            status: 503,
+            retry_after: None,
+            delay: Duration::from_secs(2),
+        },
+        _ => Reply::ok(),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flaky_provider_ends_every_job_sent_or_exhausted() {
+    let provider = FakeProvider::start(Arc::new(chaos)).await.unwrap();
+    let env = TestEnv::new(&provider.url()).await;
+    env.set_quota("flaky", "500/s", 50).await;
+    let worker = env
+        .spawn_worker_with(|c| {
+            c.provider_timeout_ms = 300;
+            c.max_attempts = 3;
+        })
+        .await;
+    let jobs = env.publish("flaky", 200, |_| {}).await;
+
+    let m = &worker.metrics;
+    wait_for("every job to end", Duration::from_secs(60), || async {
+        m.counter_sum("tollgate_jobs_completed_total", &[]) >= 200.0
+    })
+    .await;
+    let (sent, repeats) = effects(&provider.received());
+    let letters = env.dead_letters().await;
+    let dead: HashSet<String> = letters.iter().map(|l| l.job_id.clone()).collect();
+    eprintln!(
+        "flaky provider: published 200 = sent {} + dead-lettered {} (all exhausted); repeats {repeats}",
+        sent.len(),
+        dead.len()
+    );
+    assert!(
+        letters.iter().all(|l| l.reason == "exhausted"),
+        "only exhausted"
+    );
+    assert!(sent.is_disjoint(&dead));
+    assert_eq!(
+        sent.union(&dead).cloned().collect::<HashSet<_>>(),
+        ids(&jobs),
+        "nothing lost"
+    );
+    assert_eq!(repeats, 0);
+    assert_eq!(
+        m.counter_sum("tollgate_jobs_completed_total", &[("outcome", "sent")]),
+        sent.len() as f64
+    );
+    assert_eq!(
+        m.counter_sum("tollgate_dead_letters_total", &[("reason", "exhausted")]),
+        dead.len() as f64
+    );
+    assert!(
+        !dead.is_empty() && sent.len() > 150,
+        "the mix is as designed"
+    );
+    worker.stop().await.unwrap();
+    env.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_drains_within_the_grace_period_and_loses_nothing() {
+    let provider = FakeProvider::start(fake_provider::always_ok())
+        .await
+        .unwrap();
+    let env = TestEnv::new(&provider.url()).await;
+    env.set_quota("steady", "20/s", 1).await;
+    let grace = Duration::from_secs(8);
+    let settings = [("TOLLGATE_SHUTDOWN_GRACE_MS", "8000")];
+    let mut first = WorkerProcess::spawn(&env, &provider.url(), &settings);
+    first.ready().await;
+    let jobs = env.publish("steady", 150, |_| {}).await;
+
+    wait_for("the run to start", Duration::from_secs(30), || async {
+        provider.accepted() >= 40
+    })
+    .await;
+    let asked = Instant::now();
+    assert!(
+        Command::new("kill")
+            .args(["-TERM", &first.child.id().to_string()])
+            .status()
+            .unwrap()
+            .success()
+    );
+    let status = tokio::task::spawn_blocking(move || first.child.wait().unwrap())
+        .await
+        .unwrap();
+    let took = asked.elapsed();
+    eprintln!(
+        "SIGTERM: exited {status} after {} ms (grace {} ms)",
+        took.as_millis(),
+        grace.as_millis()
+    );
+    assert!(status.success(), "a drained shutdown exits 0");
+    assert!(took < grace, "exited after {took:?}");
+
+    let second = WorkerProcess::spawn(&env, &provider.url(), &[]);
+    second.ready().await;
+    wait_for("every job's effect", Duration::from_secs(60), || async {
+        effects(&provider.received()).0.len() >= 150
+    })
+    .await;
+    let (sent, repeats) = effects(&provider.received());
+    eprintln!(
+        "SIGTERM: published 150 = sent {} + dead-lettered 0; repeats {repeats}",
+        sent.len()
+    );
+    assert_eq!(sent, ids(&jobs));
+    assert_eq!(repeats, 0);
+    assert!(env.dead_letters().await.is_empty());
+    drop(second);
+    env.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_that_kills_its_worker_ends_as_poison_and_the_rest_flow() {
+    // The provider kills the worker process calling it about job "poison".
+    let victim = Arc::new(AtomicU32::new(0));
+    let pid = Arc::clone(&victim);
+    let provider = FakeProvider::start(Arc::new(move |r: &Received, _| {
+        if r.job_id == "poison" {
+            let target = pid.load(Ordering::SeqCst);
+            let _ = Command::new("kill")
+                .args(["-9", &target.to_string()])
+                .status();
+            return Reply::status(500);
+        }
+        Reply::ok()
+    }))
+    .await
+    .unwrap();
+    let env = TestEnv::new_with(&provider.url(), |c| c.delivery_limit = 3).await;
+    env.set_quota("mixed", "100/s", 10).await;
+    let settings = [
+        ("TOLLGATE_DELIVERY_LIMIT", "3"),
+        ("TOLLGATE_PROVIDER_TIMEOUT_MS", "1000"),
+    ];
+    env.publish("mixed", 1, |a| a.id = Some("poison".into()))
+        .await;
+
+    // Like a Deployment: whenever the worker dies, start another.
+    let mut crashes = 0;
+    let started = Instant::now();
+    let mut worker = WorkerProcess::spawn(&env, &provider.url(), &settings);
+    victim.store(worker.child.id(), Ordering::SeqCst);
+    while env.dead_letters().await.is_empty() {
+        assert!(
+            started.elapsed() < Duration::from_secs(90),
+            "the poison never reached the DLQ"
+        );
+        if worker.child.try_wait().unwrap().is_some() {
+            crashes += 1;
+            worker = WorkerProcess::spawn(&env, &provider.url(), &settings);
+            victim.store(worker.child.id(), Ordering::SeqCst);
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let letters = env.dead_letters().await;
+    assert_eq!(letters.len(), 1);
+    assert_eq!(letters[0].job_id, "poison");
+    assert_eq!(letters[0].reason, "poison");
+    eprintln!(
+        "poison: dead-lettered after {crashes} crashed workers ({})",
+        letters[0].detail
+    );
+
+    worker.ready().await;
+    let jobs = env.publish("mixed", 30, |_| {}).await;
+    wait_for("the other jobs", Duration::from_secs(30), || async {
+        provider.accepted() >= 30
+    })
+    .await;
+    let (sent, repeats) = effects(&provider.received());
+    eprintln!(
+        "poison: published 31 = sent {} + dead-lettered 1; repeats {repeats}",
+        sent.len()
+    );
+    assert_eq!(sent, ids(&jobs));
+    assert_eq!(repeats, 0);
+    assert!(
+        worker.child.try_wait().unwrap().is_none(),
+        "the worker keeps serving"
+    );
+    drop(worker);
+    env.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dlq_replay_sends_replayed_jobs_once_and_purge_empties_it() {
+    let healthy = Arc::new(AtomicBool::new(false));
+    let ok = Arc::clone(&healthy);
+    let provider = FakeProvider::start(Arc::new(move |_: &Received, _| {
+        Reply::status(if ok.load(Ordering::SeqCst) { 200 } else { 422 })
+    }))
+    .await
+    .unwrap();
+    let env = TestEnv::new(&provider.url()).await;
+    env.set_quota("fixme", "100/s", 10).await;
+    let worker = env.spawn_worker().await;
+    let jobs = env.publish("fixme", 10, |_| {}).await;
+    wait_for("10 rejected", Duration::from_secs(20), || async {
+        env.dead_letters().await.len() >= 10
+    })
+    .await;
+
+    healthy.store(true, Ordering::SeqCst);
+    let cli = |args: &[&str]| {
+        let out = Command::new(tollgate_bin())
+            .args(args)
+            .env("TOLLGATE_PREFIX", &env.config.prefix)
+            .env("TOLLGATE_SHARDS", env.config.shards.to_string())
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let out = cli(&["dlq", "replay", "--reason", "exhausted"]);
+    assert!(
+        out.starts_with("replayed 0 dead letter(s); 10 left"),
+        "{out}"
+    );
+    let out = cli(&["dlq", "replay", "--reason", "rejected", "--tenant", "fixme"]);
+    assert!(
+        out.starts_with("replayed 10 dead letter(s); 0 left"),
+        "{out}"
+    );
+    wait_for("10 sent", Duration::from_secs(20), || async {
+        provider.accepted() >= 10
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let (sent, repeats) = effects(&provider.received());
+    assert_eq!(
+        sent,
+        ids(&jobs),
+        "published 10 = sent 10 (after replay) + dead-lettered 0"
+    );
+    assert_eq!(repeats, 0);
+    let replayed: Vec<u32> = provider
+        .received()
+        .iter()
+        .filter(|r| r.status == 200)
+        .map(|r| r.attempt)
+        .collect();
+    assert!(
+        replayed.iter().all(|&a| a == 1),
+        "attempts start over: {replayed:?}"
+    );
+    assert!(env.dead_letters().await.is_empty());
+
+    // Purge: refuses without --yes when nobody can confirm, empties with it.
+    env.publish_raw("fixme", b"not a job").await;
+    wait_for("a dead letter", Duration::from_secs(10), || async {
+        env.dead_letters().await.len() == 1
+    })
+    .await;
+    let refused = Command::new(tollgate_bin())
+        .args(["dlq", "purge"])
+        .env("TOLLGATE_PREFIX", &env.config.prefix)
+        .env("TOLLGATE_SHARDS", env.config.shards.to_string())
+        .stdin(std::process::Stdio::null())
+        .output()
+        .unwrap();
+    assert!(!refused.status.success());
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("pass --yes"));
+    assert_eq!(env.dead_letters().await.len(), 1);
+    let out = cli(&["dlq", "purge", "--yes"]);
+    assert!(out.starts_with("purged 1 dead letter(s)"), "{out}");
+    assert!(env.dead_letters().await.is_empty());
+    worker.stop().await.unwrap();
+    env.cleanup().await;
+}
+
+/// Leaves the shared broker running whatever happens in the test.
+struct RestartGuard;
+
+impl Drop for RestartGuard {
+    fn drop(&mut self) {
+        let _ = Command::new("rabbitmqctl")
+            .args(["-q", "start_app"])
+            .status();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "stops the shared RabbitMQ: run alone (make test runs it in its serial phase)"]
+async fn a_rabbitmq_restart_is_survived_without_restarting_workers() {
+    let provider = FakeProvider::start(fake_provider::always_ok())
+        .await
+        .unwrap();
+    let mut env = TestEnv::new(&provider.url()).await;
+    env.set_quota("restart", "100/s", 10).await;
+    let workers = [env.spawn_worker().await, env.spawn_worker().await];
+    let jobs = env.publish("restart", 400, |_| {}).await;
+
+    wait_for("the run to start", Duration::from_secs(30), || async {
+        provider.accepted() >= 80
+    })
+    .await;
+    let _guard = RestartGuard;
+    assert!(
+        Command::new("rabbitmqctl")
+            .args(["-q", "stop_app"])
+            .status()
+            .unwrap()
+            .success()
+    );
+    for w in &workers {
+        let worker = &w.worker;
+        wait_for(
+            "/readyz to see RabbitMQ gone",
+            Duration::from_secs(15),
+            || async { !worker.readiness().await.ready() },
+        )
+        .await;
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(
+        Command::new("rabbitmqctl")
+            .args(["-q", "start_app"])
+            .status()
+            .unwrap()
+            .success()
+    );
+
+    wait_for("every job's effect", Duration::from_secs(120), || async {
+        effects(&provider.received()).0.len() >= 400
+    })
+    .await;
+    for w in &workers {
+        let worker = &w.worker;
+        wait_for(
+            "the worker to consume again",
+            Duration::from_secs(30),
+            || async { worker.readiness().await.ready() },
+        )
+        .await;
+    }
+    let (sent, repeats) = effects(&provider.received());
+    env.reconnect().await;
+    let dead = env.dead_letters().await.len();
+    eprintln!(
+        "rabbitmq restart: published 400 = sent {} + dead-lettered {dead}; repeats {repeats}",
+        sent.len()
+    );
+    assert_eq!(sent, ids(&jobs));
+    assert_eq!(dead, 0);
+    assert_eq!(repeats, 0);
+    wait_for("queues to drain", Duration::from_secs(20), || async {
+        env.pending().await == 0
+    })
+    .await;
+    for w in workers {
+        w.stop().await.unwrap();
+    }
+    env.cleanup().await;
+}
