@@ -303,32 +303,97 @@ pub fn build_jobs(args: &PublishArgs, now: UnixMillis) -> anyhow::Result<Vec<Job
         .collect()
 }
 
-/// Publishes jobs with confirms, many in flight at once.
-pub async fn publish_jobs(broker: &Broker, jobs: &[Job], now: UnixMillis) -> anyhow::Result<()> {
+/// Publishes jobs with confirms, many in flight at once; returns the jobs
+/// that were not confirmed, and the first error.
+async fn publish_batch<'a>(
+    broker: &Broker,
+    jobs: &[&'a Job],
+    now: UnixMillis,
+) -> (Vec<&'a Job>, Option<tollgate_amqp::AmqpError>) {
     const IN_FLIGHT: usize = 256;
+    let (mut failed, mut first_error) = (Vec::new(), None);
     let mut pending = FuturesUnordered::new();
-    for job in jobs {
-        if pending.len() >= IN_FLIGHT
-            && let Some(result) = pending.next().await
-        {
-            let result: Result<(), tollgate_amqp::AmqpError> = result;
-            result.context("publishing")?;
+    let mut settle = |(job, result): (&'a Job, Result<(), tollgate_amqp::AmqpError>)| {
+        if let Err(e) = result {
+            failed.push(job);
+            first_error.get_or_insert(e);
         }
-        pending.push(broker.publish_job(job, now));
+    };
+    for &job in jobs {
+        if pending.len() >= IN_FLIGHT
+            && let Some(done) = pending.next().await
+        {
+            settle(done);
+        }
+        pending.push(async move { (job, broker.publish_job(job, now).await) });
     }
-    while let Some(result) = pending.next().await {
-        result.context("publishing")?;
+    while let Some(done) = pending.next().await {
+        settle(done);
     }
-    Ok(())
+    (failed, first_error)
+}
+
+/// Publishes jobs on one connection; any unconfirmed job is an error.
+pub async fn publish_jobs(broker: &Broker, jobs: &[Job], now: UnixMillis) -> anyhow::Result<()> {
+    let all: Vec<&Job> = jobs.iter().collect();
+    match publish_batch(broker, &all, now).await {
+        (failed, Some(e)) => {
+            Err(anyhow::Error::new(e).context(format!("{} job(s) not confirmed", failed.len())))
+        }
+        (_, None) => Ok(()),
+    }
+}
+
+/// Publishes every job, reconnecting and republishing whatever was not
+/// confirmed when a publish fails (a broker restart, a dropped connection).
+/// A job whose confirm was lost in flight may be published twice: its
+/// idempotency key makes the second copy a `duplicate`, never a second send.
+pub async fn publish_reliably(
+    config: &Config,
+    jobs: &[Job],
+    now: UnixMillis,
+) -> anyhow::Result<()> {
+    const TRIES: u32 = 6;
+    let mut left: Vec<&Job> = jobs.iter().collect();
+    let mut last_error = anyhow::anyhow!("no attempt made");
+    for attempt in 1..=TRIES {
+        match connect_broker(config, "publish").await {
+            Ok(broker) => {
+                let declared = broker.declare_topology().await;
+                let (failed, error) = match declared {
+                    Ok(()) => publish_batch(&broker, &left, now).await,
+                    Err(e) => (left.clone(), Some(e)),
+                };
+                broker.close().await;
+                match error {
+                    None => return Ok(()),
+                    Some(e) => last_error = e.into(),
+                }
+                left = failed;
+            }
+            Err(e) => last_error = e,
+        }
+        if attempt < TRIES {
+            let wait =
+                Duration::from_millis(250 << attempt).mul_f64(rand::random::<f64>().max(0.2));
+            eprintln!(
+                "tollgate: {} job(s) not confirmed ({last_error:#}); retrying in {} ms",
+                left.len(),
+                wait.as_millis()
+            );
+            tokio::time::sleep(wait).await;
+        }
+    }
+    Err(last_error.context(format!(
+        "{} job(s) not confirmed after {TRIES} tries",
+        left.len()
+    )))
 }
 
 pub async fn publish(config: &Config, args: &PublishArgs) -> anyhow::Result<()> {
     let now = SystemClock.now();
     let jobs = build_jobs(args, now)?;
-    let broker = connect_broker(config, "publish").await?;
-    broker.declare_topology().await?;
-    publish_jobs(&broker, &jobs, now).await?;
-    broker.close().await;
+    publish_reliably(config, &jobs, now).await?;
     match jobs.as_slice() {
         [job] => println!("published job {} for tenant {}", job.id, job.tenant),
         _ => println!("published {} jobs for tenant {}", jobs.len(), args.tenant),
