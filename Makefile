@@ -27,7 +27,7 @@ lint:
 test: services
 	$(CARGO) build --workspace --all-targets
 	$(CARGO) test --workspace
-	$(CARGO) test -p tollgate-tests --test faults -- --ignored --test-threads=1
+	$(CARGO) test -p tollgate-tests --test faults --test fairness -- --ignored --test-threads=1
 
 # A live demonstration: fake provider with its own per-tenant limits, four
 # tenants, three workers, a table per tenant; about 30 s, exits 0.
@@ -40,3 +40,15 @@ bench: services
 
 clean:
 	$(CARGO) clean
+
+.PHONY: release ops-check
+
+# The release binary, exactly as deploy/docker/Dockerfile builds it.
+release:
+	$(CARGO) build --release --locked -p tollgate
+
+# Operator assets: alert rules and their tests, dashboards, Kubernetes
+# manifests, compose file, Dockerfile, and a live Prometheus scraping a real
+# worker that evaluates every dashboard and alert query (a few minutes).
+ops-check: services
+	scripts/ops-check.sh

@@ -28,10 +28,13 @@ pub struct Policy {
     pub tiers: DelayTiers,
     /// Wait before asking again when the permit store cannot be reached.
     pub unavailable_retry: Duration,
-    /// Longest single hop of a quota wait. At each hop the job asks the
-    /// permit store again: it keeps its place, re-spaced if the quota
-    /// changed, or is sent at once when a raised quota has room. Bounds how
-    /// long a raise takes to reach jobs already parked.
+    /// Shortest hop of a quota wait. A quota wait hops through the tiers at
+    /// most half its remaining time at once (never less than this), and at
+    /// each hop the job asks the permit store again: it keeps its place,
+    /// re-spaced if the quota changed, or is sent at once when a raised
+    /// quota has room. Halving keeps the churn of a backlog proportional to
+    /// the tenant's rate (about 2 × rate × ln(wait / this) hops per second),
+    /// not to its size, while a job near the front sees a raise within this.
     pub quota_recheck: Duration,
     /// Wait after a 429 that carried no usable `Retry-After`.
     pub default_retry_after: Duration,
@@ -415,7 +418,7 @@ impl JobRun {
     ) -> Action {
         let remaining = now.until(until);
         let hop = match reason {
-            ParkReason::Quota => remaining.min(policy.quota_recheck.max(policy.hold_max)),
+            ParkReason::Quota => remaining.min((remaining / 2).max(policy.quota_recheck)),
             _ => remaining,
         };
         match policy.tiers.pick(hop) {
@@ -670,7 +673,8 @@ mod tests {
             interval: Some(Duration::from_millis(200)),
             kept: false,
         };
-        // 40 s to wait, but hops are capped at quota_recheck (5 s).
+        // 40 s to wait: the first hop is at most half of it (the 5 s tier
+        // of 1, 5, 30, 120 s …).
         assert!(matches!(
             run.on_permit(&p, denied, T0),
             Action::Park { tier, hop: false, .. } if tier == Duration::from_secs(5)

@@ -138,8 +138,9 @@ pub struct Config {
     pub pacing_margin_pct: f64,
     /// How often a paused tenant's jobs come back to look again.
     pub pause_recheck_ms: u64,
-    /// Longest hop of a quota wait; at each hop a job asks again, so a
-    /// raised quota reaches parked jobs within this.
+    /// Shortest hop of a quota wait (a wait hops at most half its remaining
+    /// time at once); at each hop a job asks again, so a raised quota
+    /// reaches parked jobs.
     pub quota_recheck_ms: u64,
     /// Wait before asking again when a tenant is at its concurrency limit.
     pub concurrency_retry_ms: u64,
@@ -210,7 +211,9 @@ impl Default for Config {
             pod_max_rate: None,
             cancel_ttl_s: 7 * 24 * 3600,
             shards: 4,
-            delay_tiers_ms: vec![1_000, 5_000, 30_000, 120_000, 600_000, 3_600_000],
+            delay_tiers_ms: vec![
+                100, 250, 500, 1_000, 5_000, 30_000, 120_000, 600_000, 3_600_000,
+            ],
             delivery_limit: 5,
             sent_ttl_s: 7 * 24 * 3600,
             default_rate: "10/s".into(),
