@@ -28,6 +28,7 @@ test: services
 	$(CARGO) build --workspace --all-targets
 	$(CARGO) test --workspace
 	$(CARGO) test -p tollgate-tests --test faults --test fairness -- --ignored --test-threads=1
+	scripts/ops-check.sh
 
 # A live demonstration: fake provider with its own per-tenant limits, four
 # tenants, three workers, a table per tenant; about 30 s, exits 0.

@@ -36,6 +36,7 @@ fn pinned() -> BTreeMap<&'static str, Vec<&'static str>> {
         ("tollgate_dead_letters_total", vec!["reason", "tenant"]),
         ("tollgate_tier_publishes_total", vec!["tier"]),
         ("tollgate_jobs_in_flight", vec![]),
+        ("tollgate_consuming", vec![]),
         ("tollgate_build_info", vec!["version"]),
         ("tollgate_tenant_label_overflow_total", vec![]),
     ])

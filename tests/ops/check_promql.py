@@ -60,6 +60,7 @@ from pathlib import Path
 
 import yaml
 
+sys.dont_write_bytecode = True
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from opslib import ROOT, CheckFailed, data_parts, fail, ok  # noqa: E402
 

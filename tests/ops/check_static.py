@@ -42,6 +42,7 @@ from pathlib import Path
 
 import yaml
 
+sys.dont_write_bytecode = True
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from opslib import (  # noqa: E402
     COUNTERS,
@@ -160,9 +161,10 @@ def check_alerts() -> None:
             fail(f"{where}: runbook {rel(page)} does not exist")
         if not page.read_text().startswith(f"# {a}\n"):
             fail(f"{rel(page)}: must start with the heading `# {a}`")
-        for sec in ("## What it means", "## Confirm", "## Likely causes", "Fixes"):
-            if sec not in page.read_text():
-                fail(f"{rel(page)}: missing section {sec!r}")
+        headings = [h.lower() for h in re.findall(r"^## (.*)$", page.read_text(), re.M)]
+        for sec in ("what it means", "confirm", "likely causes", "fixes"):
+            if not any(sec in h for h in headings):
+                fail(f"{rel(page)}: needs a section on {sec!r} (## heading)")
         unknown = metric_names(r["expr"]) - SERIES
         if unknown:
             fail(f"{where}: unknown metric(s) {sorted(unknown)}")
@@ -263,6 +265,16 @@ def check_dashboards() -> None:
         if tenant.get("datasource", {}).get("uid") != "${datasource}":
             fail(f"{where}: the tenant variable must use ${{datasource}}")
         ids = set()
+        cells: dict[tuple[int, int], str] = {}
+        for p in panels_of(d):
+            g = p.get("gridPos") or {}
+            if g.get("x", 0) + g.get("w", 0) > 24:
+                fail(f"{where}: panel {p.get('title')!r} is wider than the 24-column grid")
+            for x in range(g.get("x", 0), g.get("x", 0) + g.get("w", 0)):
+                for y in range(g.get("y", 0), g.get("y", 0) + g.get("h", 0)):
+                    if (x, y) in cells:
+                        fail(f"{where}: panels {cells[(x, y)]!r} and {p.get('title')!r} overlap")
+                    cells[(x, y)] = p.get("title")
         for p in panels_of(d):
             title = p.get("title", "")
             pw = f"{where}: panel {title!r}"

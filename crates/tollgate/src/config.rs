@@ -230,6 +230,16 @@ impl Default for Config {
     }
 }
 
+/// Kubernetes injects `<SERVICE>_SERVICE_HOST`, `<SERVICE>_PORT`,
+/// `<SERVICE>_PORT_9090_TCP…` for every Service in the namespace (unless
+/// `enableServiceLinks: false`): a Service named `tollgate` would otherwise
+/// look like unknown settings and stop the worker. No setting of ours is
+/// named like these. `key` is without the prefix, in any case.
+fn kubernetes_service_link(key: &str) -> bool {
+    let key = key.to_ascii_lowercase();
+    key == "port" || key.starts_with("port_") || key.starts_with("service_")
+}
+
 impl Config {
     /// Defaults, then the TOML file (if given), then `TOLLGATE_*` env vars.
     pub fn load(file: Option<&Path>) -> anyhow::Result<Self> {
@@ -241,7 +251,12 @@ impl Config {
             figment = figment.merge(Toml::file(path));
         }
         let config: Config = figment
-            .merge(Env::prefixed("TOLLGATE_").ignore(&["config"]).split("__"))
+            .merge(
+                Env::prefixed("TOLLGATE_")
+                    .filter(|key| !kubernetes_service_link(key.as_str()))
+                    .ignore(&["config"])
+                    .split("__"),
+            )
             .extract()
             .context("reading configuration")?;
         config.validate()?;
@@ -424,6 +439,10 @@ mod tests {
                 "#,
             )?;
             jail.set_env("TOLLGATE_CONCURRENCY", "16");
+            // What Kubernetes injects for a Service named `tollgate`.
+            jail.set_env("TOLLGATE_SERVICE_HOST", "10.0.0.7");
+            jail.set_env("TOLLGATE_PORT", "tcp://10.0.0.7:9090");
+            jail.set_env("TOLLGATE_PORT_9090_TCP_PROTO", "tcp");
             jail.set_env(
                 "TOLLGATE_PROVIDER_URL",
                 "http://user:pw@provider.internal/send",

@@ -86,6 +86,7 @@ struct Inner {
     dead_letters: IntCounterVec,
     tier_publishes: IntCounterVec,
     in_flight: IntGauge,
+    consuming: IntGauge,
 }
 
 /// Cheap to clone; every worker task records through the same handle.
@@ -136,6 +137,14 @@ impl Metrics {
         .expect("valid gauge");
         registry
             .register(Box::new(in_flight.clone()))
+            .expect("registered once");
+        let consuming = IntGauge::new(
+            "tollgate_consuming",
+            "1 while this pod's consumers are running on RabbitMQ, 0 while it connects or reconnects.",
+        )
+        .expect("valid gauge");
+        registry
+            .register(Box::new(consuming.clone()))
             .expect("registered once");
         let build_info = IntGaugeVec::new(
             Opts::new(
@@ -209,7 +218,7 @@ impl Metrics {
             jobs_completed: counter(
                 r,
                 "tollgate_jobs_completed_total",
-                "Jobs that reached a final outcome (sent, duplicate, dead_lettered), by tenant.",
+                "Jobs that reached a final outcome (sent, duplicate, skipped, dead_lettered), by tenant.",
                 &["tenant", "outcome"],
             ),
             parked: counter(
@@ -231,6 +240,7 @@ impl Metrics {
                 &["tier"],
             ),
             in_flight,
+            consuming,
             registry,
         };
         Self(Arc::new(inner))
@@ -342,6 +352,10 @@ impl Metrics {
         &self.0.in_flight
     }
 
+    pub fn set_consuming(&self, consuming: bool) {
+        self.0.consuming.set(i64::from(consuming));
+    }
+
     /// Sum of a counter over every label set matching `labels` (demo, tests).
     pub fn counter_sum(&self, name: &str, labels: &[(&str, &str)]) -> f64 {
         self.0
@@ -423,6 +437,7 @@ mod tests {
             "tollgate_dead_letters_total",
             "tollgate_tier_publishes_total",
             "tollgate_jobs_in_flight",
+            "tollgate_consuming",
             "tollgate_build_info",
         ] {
             assert!(text.contains(&format!("# HELP {name} ")), "{name} missing");

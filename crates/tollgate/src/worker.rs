@@ -163,6 +163,11 @@ impl Drop for InFlight {
 }
 
 impl<P: PermitStore, V: Provider> Worker<P, V> {
+    fn set_consuming(&self, consuming: bool) {
+        self.consuming.store(consuming, Ordering::Relaxed);
+        self.metrics.set_consuming(consuming);
+    }
+
     /// The current session's broker connection, if any.
     pub fn broker(&self) -> Option<Arc<Broker>> {
         self.broker.read().expect("not poisoned").clone()
@@ -202,7 +207,7 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
                     );
                 }
             }
-            self.consuming.store(false, Ordering::Relaxed);
+            self.set_consuming(false);
             let wait = reconnect_delay(failures);
             info!(
                 retry_in_ms = wait.as_millis() as u64,
@@ -213,7 +218,7 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
                 () = tokio::time::sleep(wait) => {}
             }
         };
-        self.consuming.store(false, Ordering::Relaxed);
+        self.set_consuming(false);
         self.stopping.send_replace(true);
         info!(in_flight = tasks.len(), "draining in-flight deliveries");
         let drained = tokio::time::timeout(self.shutdown_grace, async {
@@ -253,7 +258,7 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
         broker.declare_topology().await?;
         let mut consumption = broker.consume(&self.name, self.concurrency).await?;
         *self.broker.write().expect("not poisoned") = Some(Arc::clone(&broker));
-        self.consuming.store(true, Ordering::Relaxed);
+        self.set_consuming(true);
         info!(name = %self.name, concurrency = self.concurrency, "worker consuming");
         let lost = loop {
             tokio::select! {
@@ -269,7 +274,7 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
                 Some(_) = tasks.join_next(), if !tasks.is_empty() => {}
             }
         };
-        self.consuming.store(false, Ordering::Relaxed);
+        self.set_consuming(false);
         match lost {
             Some(why) => {
                 broker.close().await;

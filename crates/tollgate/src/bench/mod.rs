@@ -1,0 +1,203 @@
+//! `tollgate bench`: figures measured side by side on the same machine in
+//! the same run, written to `target/bench/report.json` and `report.md`.
+//! This machine is shared and noisy, so repeated figures are reported as
+//! median, min and max, and comparisons as ratios measured in one run.
+//!
+//! Scenarios (each its own module):
+//! - `throughput`: a bare lapin consume→ack loop vs one tollgate worker
+//!   process with an unlimited quota and an instant provider; Redis round
+//!   trips per job, jobs per CPU-second, peak RSS holding a full prefetch.
+//! - `permits`: the permit script vs a trivial `EVALSHA`; round trips per
+//!   decision.
+//! - `pacing`: 8 worker processes on one 20/s quota against a strict
+//!   provider (adherence, utilization); seconds from `quota set` to the
+//!   fleet obeying a lowered and a raised quota.
+//! - `fairness`: a noisy neighbour's effect on a quiet tenant, parks per
+//!   sent job of a backlog, due precision of scheduled jobs.
+
+mod fairness;
+mod pacing;
+mod permits;
+mod rig;
+mod throughput;
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+use clap::Args;
+use serde_json::json;
+
+use crate::config::Config;
+
+#[derive(Debug, Args)]
+pub struct BenchArgs {
+    /// Jobs per throughput run.
+    #[arg(long, default_value_t = 10_000)]
+    pub jobs: u32,
+    /// Repetitions of the throughput and permit-path runs.
+    #[arg(long, default_value_t = 3)]
+    pub runs: usize,
+    /// Seconds per permit-path measurement.
+    #[arg(long, default_value_t = 3)]
+    pub permit_seconds: u64,
+    /// Only these scenarios (throughput, permits, pacing, fairness).
+    #[arg(long, value_delimiter = ',')]
+    pub only: Vec<String>,
+    /// Where report.json and report.md go.
+    #[arg(long, default_value = "target/bench")]
+    pub out: PathBuf,
+}
+
+/// One measured figure: its samples, unit and target.
+pub struct Figure {
+    pub name: &'static str,
+    pub unit: &'static str,
+    pub samples: Vec<f64>,
+    pub target: Option<&'static str>,
+}
+
+impl Figure {
+    pub fn new(name: &'static str, unit: &'static str, samples: Vec<f64>) -> Self {
+        Self {
+            name,
+            unit,
+            samples,
+            target: None,
+        }
+    }
+
+    pub fn target(mut self, target: &'static str) -> Self {
+        self.target = Some(target);
+        self
+    }
+
+    fn json(&self) -> serde_json::Value {
+        let mut s = self.samples.clone();
+        s.sort_by(f64::total_cmp);
+        json!({
+            "unit": self.unit,
+            "median": round(median(&s)),
+            "min": round(s.first().copied().unwrap_or(f64::NAN)),
+            "max": round(s.last().copied().unwrap_or(f64::NAN)),
+            "samples": s.iter().map(|v| round(*v)).collect::<Vec<_>>(),
+            "target": self.target,
+        })
+    }
+}
+
+/// A scenario's parameters and figures.
+pub struct Scenario {
+    pub key: &'static str,
+    pub title: &'static str,
+    pub parameters: serde_json::Value,
+    pub figures: Vec<Figure>,
+}
+
+pub fn median(sorted: &[f64]) -> f64 {
+    match sorted.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => sorted[n / 2],
+        n => (sorted[n / 2 - 1] + sorted[n / 2]) / 2.0,
+    }
+}
+
+/// The `p`-quantile (0..=1) by nearest rank of an unsorted sample.
+pub fn percentile(values: &[f64], p: f64) -> f64 {
+    let mut s = values.to_vec();
+    s.sort_by(f64::total_cmp);
+    if s.is_empty() {
+        return f64::NAN;
+    }
+    let rank = ((p * s.len() as f64).ceil() as usize).clamp(1, s.len());
+    s[rank - 1]
+}
+
+fn round(v: f64) -> f64 {
+    (v * 1000.0).round() / 1000.0
+}
+
+pub fn progress(msg: &str) {
+    eprintln!("bench: {msg}");
+}
+
+pub async fn run(base: &Config, args: &BenchArgs) -> anyhow::Result<()> {
+    let wanted = |name: &str| args.only.is_empty() || args.only.iter().any(|o| o == name);
+    let mut scenarios = Vec::new();
+    if wanted("throughput") {
+        scenarios.extend(throughput::run(base, args).await.context("throughput scenario")?);
+    }
+    if wanted("permits") {
+        scenarios.push(permits::run(base, args).await.context("permit-path scenario")?);
+    }
+    if wanted("pacing") {
+        scenarios.extend(pacing::run(base).await.context("pacing scenarios")?);
+    }
+    if wanted("fairness") {
+        scenarios.extend(fairness::run(base).await.context("fairness scenarios")?);
+    }
+
+    let report = json!({
+        "machine": {
+            "cores": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
+            "tollgate": env!("CARGO_PKG_VERSION"),
+            "rabbitmq": command_version("rabbitmqctl", &["version"]),
+            "redis": command_version("redis-server", &["--version"]),
+            "profile": if cfg!(debug_assertions) { "debug" } else { "release" },
+        },
+        "scenarios": scenarios.iter().map(|s| (s.key.to_owned(), json!({
+            "title": s.title,
+            "parameters": s.parameters,
+            "figures": s.figures.iter().map(|f| (f.name.to_owned(), f.json())).collect::<serde_json::Map<_, _>>(),
+        }))).collect::<serde_json::Map<_, _>>(),
+    });
+    std::fs::create_dir_all(&args.out).with_context(|| format!("creating {}", args.out.display()))?;
+    let json_path = args.out.join("report.json");
+    std::fs::write(&json_path, serde_json::to_string_pretty(&report)?)?;
+    let md = markdown(&report, &scenarios);
+    let md_path = args.out.join("report.md");
+    std::fs::write(&md_path, &md)?;
+    println!("{md}");
+    progress(&format!("wrote {} and {}", json_path.display(), md_path.display()));
+    Ok(())
+}
+
+fn command_version(cmd: &str, args: &[&str]) -> String {
+    std::process::Command::new(cmd)
+        .args(args)
+        .output()
+        .ok()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| "unknown".into())
+}
+
+fn markdown(report: &serde_json::Value, scenarios: &[Scenario]) -> String {
+    let m = &report["machine"];
+    let mut out = format!(
+        "# tollgate bench\n\nMachine: {} cores; tollgate {}; RabbitMQ {}; {}; {} build.\n",
+        m["cores"],
+        m["tollgate"].as_str().unwrap_or("?"),
+        m["rabbitmq"].as_str().unwrap_or("?"),
+        m["redis"].as_str().unwrap_or("?"),
+        m["profile"].as_str().unwrap_or("?"),
+    );
+    for s in scenarios {
+        out.push_str(&format!(
+            "\n## {}\n\nParameters: `{}`\n\n| figure | median | min | max | unit | target |\n|---|---|---|---|---|---|\n",
+            s.title, s.parameters
+        ));
+        for f in &s.figures {
+            let j = f.json();
+            out.push_str(&format!(
+                "| {} | {} | {} | {} | {} | {} |\n",
+                f.name,
+                j["median"],
+                j["min"],
+                j["max"],
+                f.unit,
+                f.target.unwrap_or("")
+            ));
+        }
+    }
+    out
+}

@@ -1,0 +1,112 @@
+//! The permit path: decisions/s of the permit script against a trivial
+//! `EVALSHA` on the same Redis, and Redis round trips per decision.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+use tollgate_core::ports::{PermitRequest, PermitStore};
+use tollgate_core::{IdempotencyKey, JobId, Kind, Quota, TenantId};
+use tollgate_quota::{Keys, QuotaStore, Redis, RedisPermits};
+
+use super::throughput::client_round_trips;
+use super::{BenchArgs, Figure, Scenario, progress};
+use crate::cli;
+use crate::config::Config;
+
+const IN_FLIGHT: usize = 64;
+
+pub async fn run(base: &Config, args: &BenchArgs) -> anyhow::Result<Scenario> {
+    let (mut permit, mut trivial, mut trips) = (vec![], vec![], vec![]);
+    for i in 1..=args.runs {
+        progress(&format!("permit path {i}/{}: permit script vs trivial EVALSHA", args.runs));
+        let window = Duration::from_secs(args.permit_seconds);
+        let (rate, per_decision) = permit_script(base, window).await?;
+        permit.push(rate);
+        trips.push(per_decision);
+        trivial.push(trivial_script(base, window).await?);
+    }
+    let ratios = permit.iter().zip(&trivial).map(|(p, t)| p / t).collect();
+    Ok(Scenario {
+        key: "permit_path",
+        title: "Permit path",
+        parameters: json!({ "seconds": args.permit_seconds, "runs": args.runs, "in_flight": IN_FLIGHT }),
+        figures: vec![
+            Figure::new("permit script", "decisions/s", permit),
+            Figure::new("trivial EVALSHA", "calls/s", trivial),
+            Figure::new("permit / trivial", "ratio", ratios),
+            Figure::new("Redis round trips per decision", "calls", trips).target("1"),
+        ],
+    })
+}
+
+async fn permit_script(base: &Config, window: Duration) -> anyhow::Result<(f64, f64)> {
+    let prefix = format!("bench-{}", &uuid::Uuid::new_v4().simple().to_string()[..8]);
+    let config = Config {
+        prefix: prefix.clone(),
+        ..base.clone()
+    };
+    let redis = Arc::new(Redis::new(&config.redis_settings())?);
+    let permits = Arc::new(RedisPermits::new(Arc::clone(&redis), Keys::new(&prefix), config.permit_settings()?));
+    let store = QuotaStore::new(Arc::clone(&redis), Keys::new(&prefix));
+    cli::set_tenant_quota(&store, "bench", Quota::new("1000000/s".parse()?, 1000)?, "bench").await?;
+    let trips_before = client_round_trips(&redis).await?;
+    let count = Arc::new(AtomicU64::new(0));
+    let deadline = Instant::now() + window;
+    let mut tasks = Vec::new();
+    for worker in 0..IN_FLIGHT {
+        let (permits, count) = (Arc::clone(&permits), Arc::clone(&count));
+        tasks.push(tokio::spawn(async move {
+            let (tenant, route) = (TenantId::parse("bench").expect("valid"), Kind::default_kind());
+            let mut i = 0u64;
+            while Instant::now() < deadline {
+                i += 1;
+                let id = JobId::parse(format!("{worker}-{i}")).expect("valid id");
+                let key = IdempotencyKey::from(&id);
+                let request = PermitRequest {
+                    tenant: &tenant,
+                    route: &route,
+                    job_id: &id,
+                    key: &key,
+                    lease_token: "t",
+                    returning: None,
+                };
+                if permits.acquire(request).await.is_ok() {
+                    count.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }));
+    }
+    for t in tasks {
+        t.await?;
+    }
+    let decisions = count.load(Ordering::Relaxed);
+    let trips = client_round_trips(&redis).await? - trips_before;
+    store.purge_prefix().await?;
+    Ok((decisions as f64 / window.as_secs_f64(), trips as f64 / decisions as f64))
+}
+
+async fn trivial_script(base: &Config, window: Duration) -> anyhow::Result<f64> {
+    let redis = Arc::new(Redis::new(&base.redis_settings())?);
+    let trivial = Arc::new(tollgate_quota::Script::new("return 1"));
+    let count = Arc::new(AtomicU64::new(0));
+    let deadline = Instant::now() + window;
+    let mut tasks = Vec::new();
+    for _ in 0..IN_FLIGHT {
+        let (redis, count, trivial) = (Arc::clone(&redis), Arc::clone(&count), Arc::clone(&trivial));
+        tasks.push(tokio::spawn(async move {
+            while Instant::now() < deadline {
+                let Ok(mut conn) = redis.conn().await else { continue };
+                let reply: Result<i64, _> = trivial.invoke_async(&mut conn).await;
+                if reply.is_ok() {
+                    count.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }));
+    }
+    for t in tasks {
+        t.await?;
+    }
+    Ok(count.load(Ordering::Relaxed) as f64 / window.as_secs_f64())
+}

@@ -1,0 +1,210 @@
+//! A benchmark's private installation: its own prefix (queues, Redis keys),
+//! a local fake provider, worker processes or in-process workers, cleanup.
+
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+use tollgate_amqp::Broker;
+use tollgate_core::{Clock, Job, Quota, UnixMillis};
+use tollgate_quota::QuotaStore;
+
+use crate::cli::{self, PublishArgs};
+use crate::config::{Config, SecretUrl};
+use crate::fake_provider::{Behavior, FakeProvider};
+use crate::metrics::Metrics;
+use crate::system_clock::SystemClock;
+use crate::worker::LiveWorker;
+
+pub struct Rig {
+    pub config: Config,
+    pub broker: Broker,
+    pub store: QuotaStore,
+    pub provider: FakeProvider,
+    processes: Vec<Child>,
+    stops: Vec<(watch::Sender<bool>, JoinHandle<anyhow::Result<()>>)>,
+}
+
+/// A worker process of this rig.
+pub struct Process {
+    pub pid: u32,
+    pub http_port: u16,
+}
+
+impl Rig {
+    pub async fn new(base: &Config, behavior: Behavior) -> anyhow::Result<Self> {
+        let provider = FakeProvider::start(behavior).await?;
+        let config = Config {
+            prefix: format!("bench-{}", &uuid::Uuid::new_v4().simple().to_string()[..8]),
+            provider_url: Some(SecretUrl::new(provider.url())),
+            http_addr: ([127, 0, 0, 1], 0).into(),
+            ..base.clone()
+        };
+        let broker = cli::connect_broker(&config, "bench").await?;
+        broker.declare_topology().await?;
+        let store = cli::quota_store(&config)?;
+        Ok(Self {
+            config,
+            broker,
+            store,
+            provider,
+            processes: Vec::new(),
+            stops: Vec::new(),
+        })
+    }
+
+    pub async fn set_quota(&self, tenant: &str, rate: &str, burst: u32) -> anyhow::Result<()> {
+        cli::set_tenant_quota(&self.store, tenant, Quota::new(rate.parse()?, burst)?, "bench").await
+    }
+
+    /// Publishes `count` jobs; returns them with the publish time.
+    pub async fn publish(
+        &self,
+        tenant: &str,
+        count: u32,
+        due_in: Option<Duration>,
+        payload: &str,
+    ) -> anyhow::Result<(Vec<Job>, UnixMillis)> {
+        let args = PublishArgs {
+            tenant: tenant.into(),
+            kind: "default".into(),
+            due_in,
+            due_at: None,
+            expires_in: None,
+            count,
+            payload: payload.into(),
+            id: None,
+            idempotency_key: None,
+        };
+        let now = SystemClock.now();
+        let jobs = cli::build_jobs(&args, now)?;
+        cli::publish_jobs(&self.broker, &jobs, now).await?;
+        Ok((jobs, now))
+    }
+
+    /// Starts `tollgate worker` (this very binary) as a separate process.
+    pub async fn spawn_process(&mut self, extra: &[(&str, &str)]) -> anyhow::Result<Process> {
+        let http_port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+        let mut command = Command::new(std::env::current_exe()?);
+        command
+            .arg("worker")
+            .env("TOLLGATE_PREFIX", &self.config.prefix)
+            .env("TOLLGATE_SHARDS", self.config.shards.to_string())
+            .env("TOLLGATE_PROVIDER_URL", self.config.provider_url.as_ref().expect("set").expose())
+            .env("TOLLGATE_HTTP_ADDR", format!("127.0.0.1:{http_port}"))
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        for (k, v) in extra {
+            command.env(k, v);
+        }
+        let child = command.spawn()?;
+        let pid = child.id();
+        self.processes.push(child);
+        let ready = format!("http://127.0.0.1:{http_port}/readyz");
+        let started = Instant::now();
+        loop {
+            if reqwest::get(&ready).await.is_ok_and(|r| r.status() == 200) {
+                return Ok(Process { pid, http_port });
+            }
+            anyhow::ensure!(started.elapsed() < Duration::from_secs(30), "worker process not ready");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Starts a worker inside this process, recording into `metrics`.
+    pub async fn spawn_inprocess(&mut self, metrics: &Metrics) -> anyhow::Result<()> {
+        let worker = Arc::new(LiveWorker::new(&self.config, metrics.clone())?);
+        let (stop, mut stopped) = watch::channel(false);
+        let task = tokio::spawn(Arc::clone(&worker).run(async move {
+            let _ = stopped.wait_for(|&s| s).await;
+        }));
+        let started = Instant::now();
+        while !worker.readiness().await.ready() {
+            anyhow::ensure!(started.elapsed() < Duration::from_secs(30), "worker not ready");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        self.stops.push((stop, task));
+        Ok(())
+    }
+
+    /// Waits until the provider accepted `n` requests, or fails after `limit`.
+    pub async fn until_accepted(&self, n: usize, limit: Duration) -> anyhow::Result<()> {
+        let started = Instant::now();
+        while self.provider.accepted() < n {
+            anyhow::ensure!(
+                started.elapsed() < limit,
+                "only {} of {n} accepted after {limit:?}",
+                self.provider.accepted()
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        Ok(())
+    }
+
+    /// Stops every worker and deletes the prefix's queues and keys.
+    pub async fn cleanup(mut self) -> anyhow::Result<()> {
+        for child in &mut self.processes {
+            let _ = Command::new("kill").args(["-TERM", &child.id().to_string()]).status();
+        }
+        for child in &mut self.processes {
+            let _ = child.wait();
+        }
+        for (stop, task) in self.stops.drain(..) {
+            let _ = stop.send(true);
+            let _ = task.await;
+        }
+        self.broker.delete_topology().await?;
+        self.broker.close().await;
+        self.store.purge_prefix().await?;
+        Ok(())
+    }
+}
+
+/// CPU seconds (user + system) a process has used so far.
+pub fn cpu_seconds(pid: u32) -> anyhow::Result<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    // Fields after the parenthesised command name; utime and stime are the
+    // 14th and 15th fields of the whole line.
+    let after = stat.rsplit_once(')').map(|(_, rest)| rest).unwrap_or("");
+    let fields: Vec<&str> = after.split_whitespace().collect();
+    let ticks: f64 = fields[11].parse::<f64>()? + fields[12].parse::<f64>()?;
+    Ok(ticks / 100.0) // USER_HZ is 100 on Linux
+}
+
+/// Peak resident set size of a process, in MiB.
+pub fn peak_rss_mib(pid: u32) -> anyhow::Result<f64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    let kib: f64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .ok_or_else(|| anyhow::anyhow!("no VmHWM for {pid}"))?;
+    Ok(kib / 1024.0)
+}
+
+/// A gauge or counter's value from a worker's /metrics.
+pub async fn scrape(port: u16, series: &str) -> anyhow::Result<f64> {
+    let text = reqwest::get(format!("http://127.0.0.1:{port}/metrics")).await?.text().await?;
+    Ok(text
+        .lines()
+        .filter(|l| l.starts_with(series))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum())
+}
+
+/// Most requests in any window of `width`, sliding over every request.
+pub fn max_in_window(times: &[Instant], width: Duration) -> usize {
+    let mut times = times.to_vec();
+    times.sort();
+    let (mut best, mut start) = (0, 0);
+    for end in 0..times.len() {
+        while times[end].duration_since(times[start]) >= width {
+            start += 1;
+        }
+        best = best.max(end - start + 1);
+    }
+    best
+}
