@@ -240,6 +240,12 @@ fn kubernetes_service_link(key: &str) -> bool {
     key == "port" || key.starts_with("port_") || key.starts_with("service_")
 }
 
+/// `TOLLGATE_<KEY>_FILE` names a file holding a secret (see
+/// [`Config::with_secret_files`]), not a setting of its own.
+fn is_file_key(key: &str) -> bool {
+    key.to_ascii_lowercase().ends_with("_file")
+}
+
 impl Config {
     /// Defaults, then the TOML file (if given), then `TOLLGATE_*` env vars.
     pub fn load(file: Option<&Path>) -> anyhow::Result<Self> {
@@ -253,14 +259,48 @@ impl Config {
         let config: Config = figment
             .merge(
                 Env::prefixed("TOLLGATE_")
-                    .filter(|key| !kubernetes_service_link(key.as_str()))
+                    .filter(|key| {
+                        !kubernetes_service_link(key.as_str()) && !is_file_key(key.as_str())
+                    })
                     .ignore(&["config"])
                     .split("__"),
             )
             .extract()
             .context("reading configuration")?;
+        let config = config.with_secret_files(|name| std::env::var(name).ok())?;
         config.validate()?;
         Ok(config)
+    }
+
+    /// `TOLLGATE_<KEY>_FILE=/path` sets a secret from a file's content (as
+    /// Kubernetes mounts a Secret), for the settings that hold credentials.
+    /// It wins over `TOLLGATE_<KEY>`; trailing whitespace is trimmed.
+    pub fn with_secret_files(
+        mut self,
+        env: impl Fn(&str) -> Option<String>,
+    ) -> anyhow::Result<Self> {
+        let read = |key: &str| -> anyhow::Result<Option<String>> {
+            let var = format!("TOLLGATE_{}_FILE", key.to_ascii_uppercase());
+            let Some(path) = env(&var) else {
+                return Ok(None);
+            };
+            let text =
+                std::fs::read_to_string(&path).with_context(|| format!("{var}: reading {path}"))?;
+            Ok(Some(text.trim_end().to_owned()))
+        };
+        if let Some(v) = read("amqp_url")? {
+            self.amqp_url = SecretUrl::new(v);
+        }
+        if let Some(v) = read("redis_url")? {
+            self.redis_url = SecretUrl::new(v);
+        }
+        if let Some(v) = read("provider_url")? {
+            self.provider_url = Some(SecretUrl::new(v));
+        }
+        if let Some(v) = read("admin_token")? {
+            self.admin_token = Some(Secret::new(v));
+        }
+        Ok(self)
     }
 
     pub fn validate(&self) -> anyhow::Result<()> {
@@ -461,6 +501,31 @@ mod tests {
                 routes[1].eligibility_url.as_ref().map(|u| u.as_str()),
                 Some("http://crm.internal/still-true")
             );
+            Ok(())
+        });
+    }
+
+    #[test]
+    #[allow(clippy::result_large_err)] // figment's Jail API returns figment::Error
+    fn secrets_can_come_from_mounted_files() {
+        figment::Jail::expect_with(|jail| {
+            jail.create_file("amqp-url", "amqp://app:from-file@rabbit:5672/%2f\n")?;
+            jail.create_file("admin-token", "t0ken\n")?;
+            jail.set_env("TOLLGATE_AMQP_URL", "amqp://app:from-env@rabbit:5672/%2f");
+            jail.set_env("TOLLGATE_AMQP_URL_FILE", "amqp-url");
+            jail.set_env("TOLLGATE_ADMIN_TOKEN_FILE", "admin-token");
+            let config = Config::load(None).expect("loads");
+            assert_eq!(
+                config.amqp_url.expose(),
+                "amqp://app:from-file@rabbit:5672/%2f"
+            );
+            assert_eq!(
+                config.admin_token.as_ref().map(Secret::expose),
+                Some("t0ken")
+            );
+            jail.set_env("TOLLGATE_REDIS_URL_FILE", "missing");
+            let err = Config::load(None).unwrap_err();
+            assert!(format!("{err:#}").contains("TOLLGATE_REDIS_URL_FILE: reading missing"));
             Ok(())
         });
     }

@@ -13,13 +13,21 @@ use crate::fake_provider::always_ok;
 use crate::metrics::Metrics;
 
 pub async fn run(base: &Config) -> anyhow::Result<Vec<Scenario>> {
-    Ok(vec![noisy_neighbour(base).await?, due_precision(base).await?])
+    Ok(vec![
+        noisy_neighbour(base).await?,
+        due_precision(base).await?,
+    ])
 }
 
 /// Lateness (ms) of each job's first request after its due reference.
 fn lags_ms(received: &[crate::fake_provider::Received], due: &[(String, UnixMillis)]) -> Vec<f64> {
     due.iter()
-        .filter_map(|(id, at)| received.iter().find(|r| &r.job_id == id).map(|r| (r.at.0 - at.0) as f64))
+        .filter_map(|(id, at)| {
+            received
+                .iter()
+                .find(|r| &r.job_id == id)
+                .map(|r| (r.at.0 - at.0) as f64)
+        })
         .collect()
 }
 
@@ -36,7 +44,9 @@ async fn quiet_traffic(rig: &Rig, seconds: u64) -> anyhow::Result<Vec<(String, U
 
 async fn noisy_neighbour(base: &Config) -> anyhow::Result<Scenario> {
     const SECONDS: u64 = 30;
-    progress("noisy neighbour: 3000 jobs at 10/s against one job every 0.5 s at 100/s, two workers");
+    progress(
+        "noisy neighbour: 3000 jobs at 10/s against one job every 0.5 s at 100/s, two workers",
+    );
     let mut rig = Rig::new(base, always_ok()).await?;
     rig.set_quota("noisy", "10/s", 1).await?;
     rig.set_quota("quiet", "100/s", 1).await?;
@@ -48,12 +58,18 @@ async fn noisy_neighbour(base: &Config) -> anyhow::Result<Scenario> {
     rig.until_accepted(1, Duration::from_secs(5)).await?;
     tokio::time::sleep(Duration::from_secs(1)).await;
     let received = rig.provider.received();
-    let noisy: Vec<Instant> = received.iter().filter(|r| r.tenant == "noisy").map(|r| r.instant).collect();
+    let noisy: Vec<Instant> = received
+        .iter()
+        .filter(|r| r.tenant == "noisy")
+        .map(|r| r.instant)
+        .collect();
     let lags = lags_ms(&received, &quiet);
     let lost = quiet.len() - lags.len();
     rig.cleanup().await?;
 
-    progress("parks per sent job: 600 jobs at 20/s drained to the end, with the quiet tenant beside it");
+    progress(
+        "parks per sent job: 600 jobs at 20/s drained to the end, with the quiet tenant beside it",
+    );
     let mut rig = Rig::new(base, always_ok()).await?;
     rig.set_quota("noisy", "20/s", 1).await?;
     rig.set_quota("quiet", "100/s", 1).await?;
@@ -62,10 +78,14 @@ async fn noisy_neighbour(base: &Config) -> anyhow::Result<Scenario> {
     rig.spawn_inprocess(&metrics).await?;
     rig.publish("noisy", 600, None, "{}").await?;
     let quiet_during = quiet_traffic(&rig, 30).await?;
-    rig.until_accepted(600 + quiet_during.len(), Duration::from_secs(60)).await?;
+    rig.until_accepted(600 + quiet_during.len(), Duration::from_secs(60))
+        .await?;
     let parks = metrics.counter_sum("tollgate_parked_total", &[("tenant", "noisy")]);
     let hops: f64 = metrics.counter_sum("tollgate_tier_publishes_total", &[]);
-    let sent = metrics.counter_sum("tollgate_jobs_completed_total", &[("tenant", "noisy"), ("outcome", "sent")]);
+    let sent = metrics.counter_sum(
+        "tollgate_jobs_completed_total",
+        &[("tenant", "noisy"), ("outcome", "sent")],
+    );
     rig.cleanup().await?;
 
     Ok(Scenario {
@@ -78,14 +98,36 @@ async fn noisy_neighbour(base: &Config) -> anyhow::Result<Scenario> {
             "parks_run": "noisy 600 jobs at 20/s drained to the end, quiet as above",
         }),
         figures: vec![
-            Figure::new("quiet tenant due lag p50", "ms", vec![percentile(&lags, 0.5)]),
-            Figure::new("quiet tenant due lag p99", "ms", vec![percentile(&lags, 0.99)]).target("< 1000"),
-            Figure::new("quiet tenant due lag max", "ms", vec![percentile(&lags, 1.0)]),
+            Figure::new(
+                "quiet tenant due lag p50",
+                "ms",
+                vec![percentile(&lags, 0.5)],
+            ),
+            Figure::new(
+                "quiet tenant due lag p99",
+                "ms",
+                vec![percentile(&lags, 0.99)],
+            )
+            .target("< 1000"),
+            Figure::new(
+                "quiet tenant due lag max",
+                "ms",
+                vec![percentile(&lags, 1.0)],
+            ),
             Figure::new("quiet jobs not sent by the end", "jobs", vec![lost as f64]).target("0"),
-            Figure::new("noisy: max requests in any 1 s", "requests", vec![max_in_window(&noisy, Duration::from_secs(1)) as f64])
-                .target("<= 10"),
-            Figure::new("noisy: parks per sent job", "parks/job", vec![parks / sent]).target("<= 1.5"),
-            Figure::new("tier publishes per sent job (hops, both tenants)", "hops/job", vec![hops / sent]),
+            Figure::new(
+                "noisy: max requests in any 1 s",
+                "requests",
+                vec![max_in_window(&noisy, Duration::from_secs(1)) as f64],
+            )
+            .target("<= 10"),
+            Figure::new("noisy: parks per sent job", "parks/job", vec![parks / sent])
+                .target("<= 1.5"),
+            Figure::new(
+                "tier publishes per sent job (hops, both tenants)",
+                "hops/job",
+                vec![hops / sent],
+            ),
         ],
     })
 }
@@ -100,12 +142,18 @@ async fn due_precision(base: &Config) -> anyhow::Result<Scenario> {
     let mut due = Vec::new();
     let mut seed: u64 = 0x5eed;
     for _ in 0..JOBS {
-        seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         let due_in = Duration::from_millis(1_000 + (seed >> 33) % 9_000);
         let (jobs, _) = rig.publish("cron", 1, Some(due_in), "{}").await?;
-        due.extend(jobs.into_iter().map(|j| (j.id.to_string(), j.due_at.expect("scheduled"))));
+        due.extend(
+            jobs.into_iter()
+                .map(|j| (j.id.to_string(), j.due_at.expect("scheduled"))),
+        );
     }
-    rig.until_accepted(JOBS as usize, Duration::from_secs(30)).await?;
+    rig.until_accepted(JOBS as usize, Duration::from_secs(30))
+        .await?;
     let lags = lags_ms(&rig.provider.received(), &due);
     let early = lags.iter().filter(|&&l| l < 0.0).count();
     rig.cleanup().await?;

@@ -124,10 +124,18 @@ pub async fn run(base: &Config, args: &BenchArgs) -> anyhow::Result<()> {
     let wanted = |name: &str| args.only.is_empty() || args.only.iter().any(|o| o == name);
     let mut scenarios = Vec::new();
     if wanted("throughput") {
-        scenarios.extend(throughput::run(base, args).await.context("throughput scenario")?);
+        scenarios.extend(
+            throughput::run(base, args)
+                .await
+                .context("throughput scenario")?,
+        );
     }
     if wanted("permits") {
-        scenarios.push(permits::run(base, args).await.context("permit-path scenario")?);
+        scenarios.push(
+            permits::run(base, args)
+                .await
+                .context("permit-path scenario")?,
+        );
     }
     if wanted("pacing") {
         scenarios.extend(pacing::run(base).await.context("pacing scenarios")?);
@@ -150,14 +158,19 @@ pub async fn run(base: &Config, args: &BenchArgs) -> anyhow::Result<()> {
             "figures": s.figures.iter().map(|f| (f.name.to_owned(), f.json())).collect::<serde_json::Map<_, _>>(),
         }))).collect::<serde_json::Map<_, _>>(),
     });
-    std::fs::create_dir_all(&args.out).with_context(|| format!("creating {}", args.out.display()))?;
+    std::fs::create_dir_all(&args.out)
+        .with_context(|| format!("creating {}", args.out.display()))?;
     let json_path = args.out.join("report.json");
     std::fs::write(&json_path, serde_json::to_string_pretty(&report)?)?;
     let md = markdown(&report, &scenarios);
     let md_path = args.out.join("report.md");
     std::fs::write(&md_path, &md)?;
     println!("{md}");
-    progress(&format!("wrote {} and {}", json_path.display(), md_path.display()));
+    progress(&format!(
+        "wrote {} and {}",
+        json_path.display(),
+        md_path.display()
+    ));
     Ok(())
 }
 

@@ -17,9 +17,15 @@ pub async fn run(base: &Config) -> anyhow::Result<Vec<Scenario>> {
 /// Accepted requests per second over the span of the accepted requests,
 /// as a fraction of `quota_per_s`.
 fn utilization(received: &[&Received], quota_per_s: f64) -> f64 {
-    let ok: Vec<Instant> = received.iter().filter(|r| r.status == 200).map(|r| r.instant).collect();
+    let ok: Vec<Instant> = received
+        .iter()
+        .filter(|r| r.status == 200)
+        .map(|r| r.instant)
+        .collect();
     match (ok.first(), ok.last()) {
-        (Some(a), Some(b)) if ok.len() > 1 => (ok.len() - 1) as f64 / b.duration_since(*a).as_secs_f64() / quota_per_s,
+        (Some(a), Some(b)) if ok.len() > 1 => {
+            (ok.len() - 1) as f64 / b.duration_since(*a).as_secs_f64() / quota_per_s
+        }
         _ => 0.0,
     }
 }
@@ -27,7 +33,9 @@ fn utilization(received: &[&Received], quota_per_s: f64) -> f64 {
 async fn adherence(base: &Config) -> anyhow::Result<Scenario> {
     const PROCESSES: usize = 8;
     const JOBS: u32 = 400;
-    progress(&format!("adherence: {PROCESSES} worker processes, one tenant at 20/s burst 1, {JOBS}-job backlog"));
+    progress(&format!(
+        "adherence: {PROCESSES} worker processes, one tenant at 20/s burst 1, {JOBS}-job backlog"
+    ));
     let strict = strict_limits(HashMap::from([("fleet".to_owned(), 20)]));
     let mut rig = Rig::new(base, strict).await?;
     rig.set_quota("fleet", "20/s", 1).await?;
@@ -35,7 +43,8 @@ async fn adherence(base: &Config) -> anyhow::Result<Scenario> {
         rig.spawn_process(&[]).await?;
     }
     rig.publish("fleet", JOBS, None, "{}").await?;
-    rig.until_accepted(JOBS as usize, Duration::from_secs(120)).await?;
+    rig.until_accepted(JOBS as usize, Duration::from_secs(120))
+        .await?;
     let received = rig.provider.received();
     rig.cleanup().await?;
     let all: Vec<&Received> = received.iter().collect();
@@ -49,11 +58,24 @@ async fn adherence(base: &Config) -> anyhow::Result<Scenario> {
             "provider": "strict: 429 beyond 20 accepted in any sliding second",
         }),
         figures: vec![
-            Figure::new("max requests in any 1 s window", "requests", vec![max_in_window(&times, Duration::from_secs(1)) as f64])
-                .target("<= 20"),
-            Figure::new("over-quota requests (429 from the strict provider)", "requests", vec![over as f64]).target("0"),
-            Figure::new("utilization of the quota while the backlog lasts", "fraction", vec![utilization(&all, 20.0)])
-                .target(">= 0.97"),
+            Figure::new(
+                "max requests in any 1 s window",
+                "requests",
+                vec![max_in_window(&times, Duration::from_secs(1)) as f64],
+            )
+            .target("<= 20"),
+            Figure::new(
+                "over-quota requests (429 from the strict provider)",
+                "requests",
+                vec![over as f64],
+            )
+            .target("0"),
+            Figure::new(
+                "utilization of the quota while the backlog lasts",
+                "fraction",
+                vec![utilization(&all, 20.0)],
+            )
+            .target(">= 0.97"),
         ],
     })
 }
@@ -61,13 +83,19 @@ async fn adherence(base: &Config) -> anyhow::Result<Scenario> {
 /// Seconds from `changed` until consecutive sends are spaced at the new
 /// interval: the second send of the last pair closer than 90 % of it.
 fn obeys_after(sends: &[Instant], changed: Instant, until: Instant, interval: Duration) -> f64 {
-    let after: Vec<Instant> = sends.iter().copied().filter(|&t| t >= changed && t < until).collect();
+    let after: Vec<Instant> = sends
+        .iter()
+        .copied()
+        .filter(|&t| t >= changed && t < until)
+        .collect();
     let last_fast = after
         .windows(2)
         .filter(|w| w[1].duration_since(w[0]) < interval.mul_f64(0.9))
         .map(|w| w[1])
         .next_back();
-    last_fast.map(|t| t.duration_since(changed).as_secs_f64()).unwrap_or(0.0)
+    last_fast
+        .map(|t| t.duration_since(changed).as_secs_f64())
+        .unwrap_or(0.0)
 }
 
 /// Seconds from `changed` until some 1 s window holds `target` sends.
@@ -113,8 +141,17 @@ async fn live_change(base: &Config) -> anyhow::Result<Scenario> {
             "raised_obeyed": "first 1 s window with 18 sends (90 % of 20/s)",
         }),
         figures: vec![
-            Figure::new("seconds from quota set (lowered) to the fleet obeying", "s", vec![lower]).target("< 1"),
-            Figure::new("seconds from quota set (raised) to 90 % of the new rate", "s", vec![raise]),
+            Figure::new(
+                "seconds from quota set (lowered) to the fleet obeying",
+                "s",
+                vec![lower],
+            )
+            .target("< 1"),
+            Figure::new(
+                "seconds from quota set (raised) to 90 % of the new rate",
+                "s",
+                vec![raise],
+            ),
         ],
     })
 }

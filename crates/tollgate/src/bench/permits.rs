@@ -20,7 +20,10 @@ const IN_FLIGHT: usize = 64;
 pub async fn run(base: &Config, args: &BenchArgs) -> anyhow::Result<Scenario> {
     let (mut permit, mut trivial, mut trips) = (vec![], vec![], vec![]);
     for i in 1..=args.runs {
-        progress(&format!("permit path {i}/{}: permit script vs trivial EVALSHA", args.runs));
+        progress(&format!(
+            "permit path {i}/{}: permit script vs trivial EVALSHA",
+            args.runs
+        ));
         let window = Duration::from_secs(args.permit_seconds);
         let (rate, per_decision) = permit_script(base, window).await?;
         permit.push(rate);
@@ -48,9 +51,19 @@ async fn permit_script(base: &Config, window: Duration) -> anyhow::Result<(f64, 
         ..base.clone()
     };
     let redis = Arc::new(Redis::new(&config.redis_settings())?);
-    let permits = Arc::new(RedisPermits::new(Arc::clone(&redis), Keys::new(&prefix), config.permit_settings()?));
+    let permits = Arc::new(RedisPermits::new(
+        Arc::clone(&redis),
+        Keys::new(&prefix),
+        config.permit_settings()?,
+    ));
     let store = QuotaStore::new(Arc::clone(&redis), Keys::new(&prefix));
-    cli::set_tenant_quota(&store, "bench", Quota::new("1000000/s".parse()?, 1000)?, "bench").await?;
+    cli::set_tenant_quota(
+        &store,
+        "bench",
+        Quota::new("1000000/s".parse()?, 1000)?,
+        "bench",
+    )
+    .await?;
     let trips_before = client_round_trips(&redis).await?;
     let count = Arc::new(AtomicU64::new(0));
     let deadline = Instant::now() + window;
@@ -58,7 +71,10 @@ async fn permit_script(base: &Config, window: Duration) -> anyhow::Result<(f64, 
     for worker in 0..IN_FLIGHT {
         let (permits, count) = (Arc::clone(&permits), Arc::clone(&count));
         tasks.push(tokio::spawn(async move {
-            let (tenant, route) = (TenantId::parse("bench").expect("valid"), Kind::default_kind());
+            let (tenant, route) = (
+                TenantId::parse("bench").expect("valid"),
+                Kind::default_kind(),
+            );
             let mut i = 0u64;
             while Instant::now() < deadline {
                 i += 1;
@@ -84,7 +100,10 @@ async fn permit_script(base: &Config, window: Duration) -> anyhow::Result<(f64, 
     let decisions = count.load(Ordering::Relaxed);
     let trips = client_round_trips(&redis).await? - trips_before;
     store.purge_prefix().await?;
-    Ok((decisions as f64 / window.as_secs_f64(), trips as f64 / decisions as f64))
+    Ok((
+        decisions as f64 / window.as_secs_f64(),
+        trips as f64 / decisions as f64,
+    ))
 }
 
 async fn trivial_script(base: &Config, window: Duration) -> anyhow::Result<f64> {
@@ -94,10 +113,13 @@ async fn trivial_script(base: &Config, window: Duration) -> anyhow::Result<f64> 
     let deadline = Instant::now() + window;
     let mut tasks = Vec::new();
     for _ in 0..IN_FLIGHT {
-        let (redis, count, trivial) = (Arc::clone(&redis), Arc::clone(&count), Arc::clone(&trivial));
+        let (redis, count, trivial) =
+            (Arc::clone(&redis), Arc::clone(&count), Arc::clone(&trivial));
         tasks.push(tokio::spawn(async move {
             while Instant::now() < deadline {
-                let Ok(mut conn) = redis.conn().await else { continue };
+                let Ok(mut conn) = redis.conn().await else {
+                    continue;
+                };
                 let reply: Result<i64, _> = trivial.invoke_async(&mut conn).await;
                 if reply.is_ok() {
                     count.fetch_add(1, Ordering::Relaxed);

@@ -56,7 +56,13 @@ impl Rig {
     }
 
     pub async fn set_quota(&self, tenant: &str, rate: &str, burst: u32) -> anyhow::Result<()> {
-        cli::set_tenant_quota(&self.store, tenant, Quota::new(rate.parse()?, burst)?, "bench").await
+        cli::set_tenant_quota(
+            &self.store,
+            tenant,
+            Quota::new(rate.parse()?, burst)?,
+            "bench",
+        )
+        .await
     }
 
     /// Publishes `count` jobs; returns them with the publish time.
@@ -86,13 +92,18 @@ impl Rig {
 
     /// Starts `tollgate worker` (this very binary) as a separate process.
     pub async fn spawn_process(&mut self, extra: &[(&str, &str)]) -> anyhow::Result<Process> {
-        let http_port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+        let http_port = std::net::TcpListener::bind("127.0.0.1:0")?
+            .local_addr()?
+            .port();
         let mut command = Command::new(std::env::current_exe()?);
         command
             .arg("worker")
             .env("TOLLGATE_PREFIX", &self.config.prefix)
             .env("TOLLGATE_SHARDS", self.config.shards.to_string())
-            .env("TOLLGATE_PROVIDER_URL", self.config.provider_url.as_ref().expect("set").expose())
+            .env(
+                "TOLLGATE_PROVIDER_URL",
+                self.config.provider_url.as_ref().expect("set").expose(),
+            )
             .env("TOLLGATE_HTTP_ADDR", format!("127.0.0.1:{http_port}"))
             .env("RUST_LOG", "warn")
             .stdout(Stdio::null())
@@ -109,7 +120,10 @@ impl Rig {
             if reqwest::get(&ready).await.is_ok_and(|r| r.status() == 200) {
                 return Ok(Process { pid, http_port });
             }
-            anyhow::ensure!(started.elapsed() < Duration::from_secs(30), "worker process not ready");
+            anyhow::ensure!(
+                started.elapsed() < Duration::from_secs(30),
+                "worker process not ready"
+            );
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
@@ -123,7 +137,10 @@ impl Rig {
         }));
         let started = Instant::now();
         while !worker.readiness().await.ready() {
-            anyhow::ensure!(started.elapsed() < Duration::from_secs(30), "worker not ready");
+            anyhow::ensure!(
+                started.elapsed() < Duration::from_secs(30),
+                "worker not ready"
+            );
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         self.stops.push((stop, task));
@@ -147,7 +164,9 @@ impl Rig {
     /// Stops every worker and deletes the prefix's queues and keys.
     pub async fn cleanup(mut self) -> anyhow::Result<()> {
         for child in &mut self.processes {
-            let _ = Command::new("kill").args(["-TERM", &child.id().to_string()]).status();
+            let _ = Command::new("kill")
+                .args(["-TERM", &child.id().to_string()])
+                .status();
         }
         for child in &mut self.processes {
             let _ = child.wait();
@@ -187,7 +206,10 @@ pub fn peak_rss_mib(pid: u32) -> anyhow::Result<f64> {
 
 /// A gauge or counter's value from a worker's /metrics.
 pub async fn scrape(port: u16, series: &str) -> anyhow::Result<f64> {
-    let text = reqwest::get(format!("http://127.0.0.1:{port}/metrics")).await?.text().await?;
+    let text = reqwest::get(format!("http://127.0.0.1:{port}/metrics"))
+        .await?
+        .text()
+        .await?;
     Ok(text
         .lines()
         .filter(|l| l.starts_with(series))

@@ -26,9 +26,15 @@ const TENANTS: u32 = 8;
 pub async fn run(base: &Config, args: &BenchArgs) -> anyhow::Result<Vec<Scenario>> {
     let (mut ceiling, mut tollgate, mut trips, mut per_cpu) = (vec![], vec![], vec![], vec![]);
     for i in 1..=args.runs {
-        progress(&format!("throughput {i}/{}: bare lapin consume→ack, {} messages", args.runs, args.jobs));
+        progress(&format!(
+            "throughput {i}/{}: bare lapin consume→ack, {} messages",
+            args.runs, args.jobs
+        ));
         ceiling.push(bare_consume_ack(base, args.jobs).await?);
-        progress(&format!("throughput {i}/{}: one tollgate worker process, {} jobs", args.runs, args.jobs));
+        progress(&format!(
+            "throughput {i}/{}: one tollgate worker process, {} jobs",
+            args.runs, args.jobs
+        ));
         let run = tollgate_process(base, args.jobs).await?;
         tollgate.push(run.jobs_per_s);
         trips.push(run.round_trips_per_job);
@@ -76,15 +82,25 @@ async fn bare_consume_ack(base: &Config, n: u32) -> anyhow::Result<f64> {
         .await
         .context("connecting to RabbitMQ")?;
     let channel = conn.create_channel().await?;
-    channel.confirm_select(ConfirmSelectOptions::default()).await?;
-    let queue = format!("bench-{}.ceiling", &uuid::Uuid::new_v4().simple().to_string()[..8]);
+    channel
+        .confirm_select(ConfirmSelectOptions::default())
+        .await?;
+    let queue = format!(
+        "bench-{}.ceiling",
+        &uuid::Uuid::new_v4().simple().to_string()[..8]
+    );
     let mut args = FieldTable::default();
-    args.insert("x-queue-type".into(), AMQPValue::LongString(LongString::from("quorum")));
+    args.insert(
+        "x-queue-type".into(),
+        AMQPValue::LongString(LongString::from("quorum")),
+    );
     let durable = QueueDeclareOptions {
         durable: true,
         ..Default::default()
     };
-    channel.queue_declare(queue.as_str().into(), durable, args).await?;
+    channel
+        .queue_declare(queue.as_str().into(), durable, args)
+        .await?;
     let body = br#"{"id":"x","tenant":"bench"}"#;
     let mut pending = FuturesUnordered::new();
     for _ in 0..n {
@@ -109,9 +125,16 @@ async fn bare_consume_ack(base: &Config, n: u32) -> anyhow::Result<f64> {
         confirm?;
     }
     let consumer_channel = conn.create_channel().await?;
-    consumer_channel.basic_qos(base.concurrency, BasicQosOptions::default()).await?;
+    consumer_channel
+        .basic_qos(base.concurrency, BasicQosOptions::default())
+        .await?;
     let mut consumer = consumer_channel
-        .basic_consume(queue.as_str().into(), "ceiling".into(), BasicConsumeOptions::default(), FieldTable::default())
+        .basic_consume(
+            queue.as_str().into(),
+            "ceiling".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
         .await?;
     let mut started = None;
     for _ in 0..n {
@@ -120,7 +143,9 @@ async fn bare_consume_ack(base: &Config, n: u32) -> anyhow::Result<f64> {
         delivery.ack(BasicAckOptions::default()).await?;
     }
     let elapsed = started.map(|s| s.elapsed()).unwrap_or_default();
-    channel.queue_delete(queue.as_str().into(), QueueDeleteOptions::default()).await?;
+    channel
+        .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
+        .await?;
     let _ = conn.close(200, "bench done".into()).await;
     Ok(f64::from(n) / elapsed.as_secs_f64())
 }
@@ -131,12 +156,20 @@ async fn bare_consume_ack(base: &Config, n: u32) -> anyhow::Result<f64> {
 /// so those must not be summed. The bench is Redis's only client.
 pub async fn client_round_trips(redis: &Redis) -> anyhow::Result<u64> {
     let mut conn = redis.conn().await?;
-    let info: String = tollgate_quota::redis_cmd("INFO").arg("commandstats").query_async(&mut conn).await?;
+    let info: String = tollgate_quota::redis_cmd("INFO")
+        .arg("commandstats")
+        .query_async(&mut conn)
+        .await?;
     Ok(info
         .lines()
         .filter_map(|line| line.strip_prefix("cmdstat_")?.split_once(':'))
         .filter(|(name, _)| matches!(*name, "evalsha" | "eval" | "script|load" | "ping"))
-        .filter_map(|(_, rest)| rest.split(',').find_map(|kv| kv.strip_prefix("calls="))?.parse::<u64>().ok())
+        .filter_map(|(_, rest)| {
+            rest.split(',')
+                .find_map(|kv| kv.strip_prefix("calls="))?
+                .parse::<u64>()
+                .ok()
+        })
         .sum())
 }
 
@@ -159,7 +192,10 @@ async fn tollgate_process(base: &Config, n: u32) -> anyhow::Result<ThroughputRun
     let total = (per_tenant * TENANTS) as usize;
     let redis = Redis::new(&rig.config.redis_settings())?;
     let worker = rig.spawn_process(&[]).await?;
-    let (cpu_before, trips_before) = (rig::cpu_seconds(worker.pid)?, client_round_trips(&redis).await?);
+    let (cpu_before, trips_before) = (
+        rig::cpu_seconds(worker.pid)?,
+        client_round_trips(&redis).await?,
+    );
     rig.until_accepted(1, Duration::from_secs(30)).await?;
     let started = Instant::now();
     rig.until_accepted(total, Duration::from_secs(600)).await?;
@@ -180,9 +216,17 @@ async fn tollgate_process(base: &Config, n: u32) -> anyhow::Result<ThroughputRun
 async fn memory_at_full_prefetch(base: &Config) -> anyhow::Result<(f64, f64)> {
     let mut rig = Rig::new(base, always_ok()).await?;
     let payload = format!(r#"{{"blob":"{}"}}"#, "x".repeat(4096 - 12));
-    let worker = rig.spawn_process(&[("TOLLGATE_HOLD_MAX_MS", "5000")]).await?;
+    let worker = rig
+        .spawn_process(&[("TOLLGATE_HOLD_MAX_MS", "5000")])
+        .await?;
     for t in 0..256 {
-        rig.publish(&format!("mem-{t}"), 1, Some(Duration::from_secs(3)), &payload).await?;
+        rig.publish(
+            &format!("mem-{t}"),
+            1,
+            Some(Duration::from_secs(3)),
+            &payload,
+        )
+        .await?;
     }
     let started = Instant::now();
     let mut held = 0.0f64;
