@@ -4,7 +4,7 @@
 
 CARGO ?= cargo
 
-.PHONY: all build fmt lint test demo bench services clean
+.PHONY: all build fmt lint test demo bench services fuzz clean
 
 all: build
 
@@ -38,6 +38,16 @@ demo: services
 # Throughput and pacing figures, written to target/bench/.
 bench: services
 	$(CARGO) run --release --quiet -p tollgate -- bench $(BENCH_ARGS)
+
+# Fuzz the message decoder/validator for FUZZ_SECONDS (default 60) from the
+# committed seed corpus (fuzz/corpus/decode); new inputs go to
+# fuzz/target/corpus. Installs cargo-fuzz if missing; RUSTC_BOOTSTRAP lets
+# the stable toolchain build with the sanitizer flags.
+FUZZ_SECONDS ?= 60
+fuzz:
+	@command -v cargo-fuzz >/dev/null || $(CARGO) install cargo-fuzz --locked
+	mkdir -p fuzz/target/corpus
+	cd fuzz && RUSTC_BOOTSTRAP=1 $(CARGO) fuzz run decode target/corpus corpus/decode -- -max_total_time=$(FUZZ_SECONDS)
 
 clean:
 	$(CARGO) clean

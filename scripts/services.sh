@@ -66,10 +66,20 @@ ensure_rabbitmq() {
     fi
 }
 
+# Tools the tests use: socat (a TLS front for amqps:// tests) and openssl
+# (the tests' throw-away CA).
+ensure_tools() {
+    local missing=()
+    have socat || missing+=(socat)
+    have openssl || missing+=(openssl)
+    if [ ${#missing[@]} -gt 0 ]; then install "${missing[@]}"; fi
+}
+
 if [ "${TOLLGATE_SKIP_SERVICES:-0}" = 1 ]; then
     say "skipped (TOLLGATE_SKIP_SERVICES=1)"
     exit 0
 fi
+ensure_tools
 ensure_redis
 ensure_rabbitmq
 say "RabbitMQ (with $PLUGIN) and Redis are up"

@@ -72,20 +72,28 @@ pub struct Broker {
 }
 
 impl Broker {
-    /// `url_for_errors` is the URL with any password redacted.
+    /// `url_for_errors` is the URL with any password redacted; `ca_pem`
+    /// is a PEM bundle trusted for `amqps://` instead of the system roots.
     pub async fn connect(
         url: &str,
         url_for_errors: &str,
+        ca_pem: Option<&str>,
         connection_name: &str,
         topology: Topology,
     ) -> Result<Self, AmqpError> {
         let props = ConnectionProperties::default().with_connection_name(connection_name.into());
-        let conn = Connection::connect(url, props)
+        let tls = lapin::tcp::OwnedTLSConfig {
+            identity: None,
+            cert_chain: ca_pem.map(str::to_owned),
+        };
+        let err = |source| AmqpError::Connect {
+            url: url_for_errors.to_owned(),
+            source,
+        };
+        let runtime = lapin::runtime::default_runtime().map_err(err)?;
+        let conn = Connection::connect_with_config(url, props, tls, runtime)
             .await
-            .map_err(|source| AmqpError::Connect {
-                url: url_for_errors.to_owned(),
-                source,
-            })?;
+            .map_err(err)?;
         let publisher = conn.create_channel().await?;
         publisher
             .confirm_select(ConfirmSelectOptions::default())

@@ -15,9 +15,11 @@ use redis::aio::MultiplexedConnection;
 
 use crate::QuotaError;
 
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct RedisSettings {
     pub url: String,
+    /// PEM bundle trusted for `rediss://` instead of the system roots.
+    pub ca_pem: Option<Vec<u8>>,
     /// Per-command response timeout (redis 1.x defaults to 500 ms otherwise).
     pub response_timeout: Duration,
     pub connect_timeout: Duration,
@@ -33,7 +35,19 @@ impl Redis {
         let config = AsyncConnectionConfig::new()
             .set_response_timeout(Some(settings.response_timeout))
             .set_connection_timeout(Some(settings.connect_timeout));
-        let manager = Manager::new_with_config(settings.url.as_str(), config)?;
+        let manager = match &settings.ca_pem {
+            Some(pem) if settings.url.starts_with("rediss://") => {
+                // The client built with our roots carries them in its
+                // connection info, which the pool then connects with.
+                let certs = redis::TlsCertificates {
+                    client_tls: None,
+                    root_cert: Some(pem.clone()),
+                };
+                let client = redis::Client::build_with_tls(settings.url.as_str(), certs)?;
+                Manager::new_with_config(client.get_connection_info().clone(), config)?
+            }
+            _ => Manager::new_with_config(settings.url.as_str(), config)?,
+        };
         let pool = Pool::builder(manager)
             .max_size(4)
             .runtime(Runtime::Tokio1)

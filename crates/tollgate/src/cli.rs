@@ -253,6 +253,7 @@ pub async fn connect_broker(config: &Config, role: &str) -> anyhow::Result<Broke
     Ok(Broker::connect(
         config.amqp_url.expose(),
         &config.amqp_url.redacted(),
+        config.tls_ca_pem()?.as_deref(),
         &name,
         config.topology()?,
     )

@@ -111,6 +111,9 @@ pub enum LogFormat {
 pub struct Config {
     pub amqp_url: SecretUrl,
     pub redis_url: SecretUrl,
+    /// PEM bundle of the CAs trusted for `amqps://` and `rediss://`
+    /// (instead of the system roots), e.g. a private CA.
+    pub tls_ca_file: Option<String>,
     /// Names every queue, exchange and Redis key; one installation per prefix.
     pub prefix: String,
     /// Route for kind `default`.
@@ -187,6 +190,7 @@ impl Default for Config {
         Self {
             amqp_url: SecretUrl::new("amqp://guest:guest@127.0.0.1:5672/%2f"),
             redis_url: SecretUrl::new("redis://127.0.0.1:6379"),
+            tls_ca_file: None,
             prefix: "tollgate".into(),
             provider_url: None,
             eligibility_url: None,
@@ -338,6 +342,7 @@ impl Config {
         self.default_quota()?;
         self.routes()?;
         self.pod_max_rate()?;
+        self.tls_ca_pem()?;
         Ok(())
     }
 
@@ -403,9 +408,23 @@ impl Config {
         })
     }
 
+    /// The contents of `tls_ca_file`, if set.
+    pub fn tls_ca_pem(&self) -> anyhow::Result<Option<String>> {
+        self.tls_ca_file
+            .as_deref()
+            .map(|path| {
+                std::fs::read_to_string(path)
+                    .with_context(|| format!("tls_ca_file: reading {path}"))
+            })
+            .transpose()
+    }
+
     pub fn redis_settings(&self) -> RedisSettings {
         RedisSettings {
             url: self.redis_url.expose().to_owned(),
+            // validate() read it already; a file that vanished since is
+            // reported when the connection fails verification.
+            ca_pem: self.tls_ca_pem().ok().flatten().map(String::into_bytes),
             response_timeout: Duration::from_millis(self.redis_timeout_ms),
             connect_timeout: Duration::from_millis(self.redis_timeout_ms.max(1_000)),
         }

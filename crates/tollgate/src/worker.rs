@@ -53,6 +53,7 @@ pub enum Settled {
 
 pub struct Worker<P, V> {
     amqp_url: SecretUrl,
+    tls_ca_pem: Option<String>,
     topology: Topology,
     name: String,
     /// The current session's connection; `None` between sessions.
@@ -90,6 +91,7 @@ impl LiveWorker {
         )?;
         Ok(Self {
             amqp_url: config.amqp_url.clone(),
+            tls_ca_pem: config.tls_ca_pem()?,
             topology: config.topology()?,
             name: config.name(),
             broker: RwLock::new(None),
@@ -250,6 +252,7 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
             Broker::connect(
                 self.amqp_url.expose(),
                 &self.amqp_url.redacted(),
+                self.tls_ca_pem.as_deref(),
                 &self.name,
                 self.topology.clone(),
             )
