@@ -357,8 +357,7 @@ async fn amqps_and_rediss_verify_the_server_against_the_configured_ca() {
     let redis_err = redis
         .ping()
         .await
-        .err()
-        .expect("rediss must fail")
+        .expect_err("rediss must fail")
         .to_string();
     assert!(
         redis_err.to_lowercase().contains("certificate") || redis_err.contains("UnknownIssuer"),
@@ -376,6 +375,9 @@ async fn amqps_and_rediss_verify_the_server_against_the_configured_ca() {
     eprintln!("wrong CA: amqps → {amqp_err}\nwrong CA: rediss → {redis_err}");
     env.cleanup().await;
 }
+
+/// A CLI invocation: arguments and environment.
+type CliCase<'a> = (Vec<&'a str>, Vec<(&'a str, String)>);
 
 fn run_cli(args: &[&str], env: &[(&str, String)]) -> (bool, String) {
     let mut command = Command::new(tollgate_bin());
@@ -405,7 +407,7 @@ async fn passwords_in_urls_never_reach_errors_or_logs() {
     // The broker refuses the password: an authentication error.
     let wrong_password = format!("amqp://guest:{CANARY}@127.0.0.1:5672/%2f");
 
-    let cases: Vec<(Vec<&str>, Vec<(&str, String)>)> = vec![
+    let cases: Vec<CliCase> = vec![
         (
             vec!["topology", "declare"],
             vec![("TOLLGATE_AMQP_URL", bad_amqp.clone())],
