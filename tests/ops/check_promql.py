@@ -31,8 +31,8 @@ What it does, on loopback only, with a prefix of its own:
     comparisons and set operators (`x > 30`, `a and b`, `a unless b`,
     `absent(x)`) and each non-literal side is evaluated on its own (see
     opslib.data_parts); every rule must also evaluate without error in
-    Prometheus's rule manager, and TollgateWorkersAbsent must not be active
-    while the worker runs;
+    Prometheus's rule manager, and TollgateNoWorkerConsuming must not be
+    active (nor pending) while the worker consumes;
  9. runs the CLI commands the runbooks use (quota get, dlq list) and stops the
     worker with SIGTERM: it must drain and exit 0;
 10. always cleans up: Prometheus, the worker and the provider are stopped, the
@@ -182,6 +182,9 @@ class Live:
         wait_for("the worker did not become ready (/readyz)", 30, ready)
         if http_get(f"http://{self.worker_addr}/healthz")[0] != 200:
             fail("/healthz is not 200 on a ready worker")
+        # TollgateNoWorkerConsuming and the "Pods consuming" panel rely on it.
+        if not re.search(r"^tollgate_consuming 1$", self.metrics(), re.M):
+            fail("a ready worker does not report `tollgate_consuming 1` on /metrics")
 
     def start_prometheus(self) -> None:
         shutil.copy(ALERTS, self.tmp / "alerts.yaml")
@@ -316,8 +319,8 @@ class Live:
 
         wait_for("Prometheus did not evaluate every rule", 15, evaluated)
         active = json.loads(http_get(f"{self.prom_url}/api/v1/alerts")[1])["data"]["alerts"]
-        if any(a["labels"].get("alertname") == "TollgateWorkersAbsent" for a in active):
-            fail("TollgateWorkersAbsent is active although a worker is scraped")
+        if any(a["labels"].get("alertname") == "TollgateNoWorkerConsuming" for a in active):
+            fail("TollgateNoWorkerConsuming is active although a worker is consuming")
         ok(f"promql: {len(rules)} alert expressions parse; their {parts} data-bearing parts return data; "
            f"Prometheus evaluates every rule without error")
 

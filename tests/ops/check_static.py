@@ -17,8 +17,12 @@ Checks (each prints one `ok: ...` line, or `FAIL: <check>: <why>` and exits 1):
   kustomize       `kubectl kustomize` of every overlay; core kinds validated strictly
                   with kubernetes-validate; CRD kinds (KEDA, Prometheus Operator)
                   validated against their schemas (npm @kubernetes-models) plus
-                  unknown-field checks; consistency (secrets, probes, selectors,
-                  shards vs KEDA triggers, dashboards and rules equal to the sources)
+                  unknown-field checks; consistency (secrets mounted as files and
+                  read through TOLLGATE_*_FILE, probes, selectors, NetworkPolicy
+                  ports vs the URLs the workers use, shards vs KEDA triggers,
+                  dashboards and rules equal to the sources); the example Secret
+                  (base/secret.example.yaml) is valid, and no overlay renders a
+                  placeholder credential (prod renders no Secret at all)
   compose         deploy/compose/compose.yaml parses, validates against the compose
                   spec schema, every referenced local file exists, the config it
                   mounts and the Prometheus config it runs are valid
@@ -30,6 +34,7 @@ Checks (each prints one `ok: ...` line, or `FAIL: <check>: <why>` and exits 1):
 from __future__ import annotations
 
 import copy
+import base64
 import json
 import os
 import re
@@ -39,6 +44,7 @@ import sys
 import tempfile
 import tomllib
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import yaml
 
@@ -82,7 +88,15 @@ CRDS = {
     "ServiceMonitor": ("monitoring.coreos.com/v1", "@kubernetes-models/prometheus-operator/monitoring.coreos.com/v1/ServiceMonitor"),
     "PrometheusRule": ("monitoring.coreos.com/v1", "@kubernetes-models/prometheus-operator/monitoring.coreos.com/v1/PrometheusRule"),
 }
-SECRET_ENV = {"TOLLGATE_AMQP_URL": "amqp-url", "TOLLGATE_REDIS_URL": "redis-url", "TOLLGATE_ADMIN_TOKEN": "admin-token"}
+# The credentials, and the Secret key each is read from: the Deployment mounts
+# the Secret as files and names them with TOLLGATE_<KEY>_FILE.
+SECRET_KEYS = {"amqp_url": "amqp-url", "redis_url": "redis-url", "admin_token": "admin-token"}
+# Settings tollgate reads from a file when TOLLGATE_<KEY>_FILE is set
+# (crates/tollgate/src/config.rs, Config::with_secret_files); optional ones too.
+FILE_KEYS = set(SECRET_KEYS) | {"provider_url"}
+SECRET_EXAMPLE = K8S / "base/secret.example.yaml"
+PLACEHOLDER = "CHANGE-ME"
+DEFAULT_PORTS = {"amqp": 5672, "amqps": 5671, "redis": 6379, "rediss": 6379, "http": 80, "https": 443}
 
 
 def load_yaml(path: Path):
@@ -102,13 +116,19 @@ def config_keys() -> set[str]:
 
 
 def check_env_keys(env_names, where: str) -> None:
-    """Every TOLLGATE_* variable must name a config key: tollgate exits 64 on unknown ones."""
+    """Every TOLLGATE_* variable must name a config key: tollgate exits 64 on
+    unknown ones. TOLLGATE_<KEY>_FILE is read for the secret settings only
+    (any other *_FILE variable would be silently ignored)."""
     keys = config_keys() | {"config"}
     for name in env_names:
         if not name.startswith("TOLLGATE_"):
             continue
-        key = name[len("TOLLGATE_") :].lower().split("__")[0]
-        if key not in keys:
+        key = name[len("TOLLGATE_") :].lower()
+        if key.endswith("_file"):
+            if key.removesuffix("_file") not in FILE_KEYS:
+                fail(f"{where}: {name}: tollgate reads a file only for {sorted(k.upper() for k in FILE_KEYS)}")
+            continue
+        if key.split("__")[0] not in keys:
             fail(f"{where}: {name} is not a tollgate setting (tollgate exits 64 on unknown TOLLGATE_* variables)")
 
 
@@ -215,6 +235,7 @@ REQUIRED_PANELS = {
     "dead letters by reason": ("tollgate_dead_letters_total", r"by \(reason\)"),
     "in-flight": ("tollgate_jobs_in_flight", r""),
     "parked by reason": ("tollgate_parked_total", r"by \(reason\)"),
+    "pods consuming": ("tollgate_consuming", r"^sum\(tollgate_consuming\)$"),
 }
 
 
@@ -500,6 +521,66 @@ def labels_match(selector: dict, labels: dict) -> bool:
     return all(labels.get(k) == v for k, v in (selector.get("matchLabels") or {}).items())
 
 
+def secret_values(s: dict) -> dict[str, str]:
+    out = {k: base64.b64decode(v).decode() for k, v in (s.get("data") or {}).items()}
+    out.update(s.get("stringData") or {})
+    return out
+
+
+def check_secret_example() -> str:
+    doc = load_yaml(SECRET_EXAMPLE)
+    where = rel(SECRET_EXAMPLE)
+    validate_core(doc, where)
+    if doc.get("kind") != "Secret" or doc["metadata"].get("name") != "tollgate-secrets":
+        fail(f"{where}: must be the Secret tollgate-secrets")
+    values = secret_values(doc)
+    if set(values) != set(SECRET_KEYS.values()):
+        fail(f"{where}: keys must be exactly {sorted(SECRET_KEYS.values())}, got {sorted(values)}")
+    for k, v in values.items():
+        if PLACEHOLDER not in v:
+            fail(f"{where}: {k} must be a placeholder containing {PLACEHOLDER}")
+    text = SECRET_EXAMPLE.read_text()
+    if "EXAMPLE" not in text.splitlines()[0]:
+        fail(f"{where}: must say on its first line that it is an example")
+    for k in sorted(K8S.rglob("kustomization.yaml")):
+        if SECRET_EXAMPLE.name in yaml.safe_dump(load_yaml(k)):  # comments may name it
+            fail(f"{rel(k)} refers to {SECRET_EXAMPLE.name}: the example must never be applied by kustomize")
+    return f"{where} valid (placeholders, keys {', '.join(sorted(values))}, in no kustomization)"
+
+
+def check_network_policy(policies: list[dict], container_ports: dict, urls: dict, where: str) -> None:
+    pol = [p for p in policies if p["metadata"]["name"] == "tollgate"]
+    if len(pol) != 1:
+        fail(f"{where}: expected the NetworkPolicy tollgate")
+    p = pol[0]["spec"]
+    pw = f"{where}: NetworkPolicy/tollgate"
+    if sorted(p.get("policyTypes", [])) != ["Egress", "Ingress"]:
+        fail(f"{pw}: policyTypes must be Ingress and Egress")
+    http = {"http", container_ports.get("http")}
+    for rule in p.get("ingress") or []:
+        ps = rule.get("ports") or []
+        if not ps or any(x.get("port") not in http or x.get("protocol", "TCP") != "TCP" for x in ps):
+            fail(f"{pw}: every ingress rule must allow only the HTTP port (http, 9090/TCP): {rule}")
+    if not p.get("ingress"):
+        fail(f"{pw}: no ingress rule: Prometheus could not scrape port 9090")
+    rules = p.get("egress") or []
+
+    def allowed(port: int, proto: str = "TCP") -> bool:
+        return any(not r.get("ports") or any(x.get("port") == port and x.get("protocol", "TCP") == proto
+                                             for x in r["ports"]) for r in rules)
+
+    for proto in ("UDP", "TCP"):
+        if not allowed(53, proto):
+            fail(f"{pw}: egress must allow DNS (53/{proto})")
+    for what, url in sorted(urls.items()):
+        u = urlsplit(url)
+        port = u.port or DEFAULT_PORTS.get(u.scheme)
+        if port is None:
+            fail(f"{where}: {what}: cannot tell the port of {u.scheme}://{u.hostname}")
+        if not allowed(port):
+            fail(f"{pw}: egress does not allow port {port}/TCP, which {what} ({u.scheme}://{u.hostname}:{port}) needs")
+
+
 def check_overlay(path: Path) -> str:
     where = f"kubectl kustomize {rel(path)}"
     docs = kustomize(path)
@@ -532,9 +613,6 @@ def check_overlay(path: Path) -> str:
     labels = pod["metadata"]["labels"]
     if not labels_match(dep["spec"]["selector"], labels):
         fail(f"{where}: Deployment selector does not match its pod labels")
-    if spec.get("enableServiceLinks") is not False:
-        fail(f"{where}: pod spec needs enableServiceLinks: false (service links inject TOLLGATE_* "
-             f"variables for a Service named tollgate, and tollgate exits 64 on unknown ones)")
     sc = spec.get("securityContext", {})
     if not sc.get("runAsNonRoot"):
         fail(f"{where}: pod securityContext.runAsNonRoot must be true")
@@ -556,38 +634,71 @@ def check_overlay(path: Path) -> str:
             fail(f"{where}: {probe} must GET {path_} on port http")
     env = {e["name"]: e for e in c.get("env", [])}
     check_env_keys(env, where)
+    mounts = {m["name"]: m for m in c.get("volumeMounts", [])}
+    vols = {v["name"]: v for v in spec.get("volumes", [])}
+
+    # Credentials: files of a read-only Secret volume, named by TOLLGATE_*_FILE.
     secret_names = set()
-    for var, key in SECRET_ENV.items():
-        e = env.get(var)
-        ref = ((e or {}).get("valueFrom") or {}).get("secretKeyRef")
-        if not ref or "value" in e:
-            fail(f"{where}: {var} must come from a Secret (valueFrom.secretKeyRef), never a literal value")
-        if ref.get("key") != key:
-            fail(f"{where}: {var} must read key {key!r} of the Secret")
-        secret_names.add(ref["name"])
+    file_vars = {f"TOLLGATE_{k.upper()}_FILE": k for k in FILE_KEYS}
+    for var, e in env.items():
+        plain = var.removeprefix("TOLLGATE_").lower()
+        if plain in SECRET_KEYS:
+            fail(f"{where}: {var} carries a credential: mount the Secret and set {var}_FILE instead")
+        if var not in file_vars:
+            continue
+        path_ = e.get("value")
+        if not path_ or "valueFrom" in e:
+            fail(f"{where}: {var} must be a literal path to a file of the mounted Secret")
+        mdir, _, fname = path_.rpartition("/")
+        m = [m for m in mounts.values() if m["mountPath"].rstrip("/") == mdir]
+        vol = vols.get(m[0]["name"], {}) if m else {}
+        if "secret" not in vol:
+            fail(f"{where}: {var}={path_}: no Secret volume is mounted at {mdir}")
+        if m[0].get("readOnly") is not True:
+            fail(f"{where}: the Secret volume {m[0]['name']} must be mounted readOnly")
+        if vol["secret"].get("optional"):
+            fail(f"{where}: the Secret volume {m[0]['name']} must not be optional")
+        items = {i["path"]: i["key"] for i in vol["secret"].get("items", [])} or None
+        key = items.get(fname) if items is not None else fname
+        want = SECRET_KEYS.get(file_vars[var], file_vars[var].replace("_", "-"))
+        if key != want:
+            fail(f"{where}: {var} must read key {want!r} of the Secret, reads {key!r}")
+        secret_names.add(vol["secret"]["secretName"])
+    for k in SECRET_KEYS:
+        if f"TOLLGATE_{k.upper()}_FILE" not in env:
+            fail(f"{where}: TOLLGATE_{k.upper()}_FILE is missing (the {SECRET_KEYS[k]} file of the Secret)")
     if len(secret_names) != 1:
-        fail(f"{where}: the secret variables must come from one Secret, got {secret_names}")
+        fail(f"{where}: the secret files must come from one Secret, got {secret_names}")
     secret_name = secret_names.pop()
     secrets = {d["metadata"]["name"]: d for d in by_kind.get("Secret", [])}
+    for s in secrets.values():
+        for k, v in secret_values(s).items():
+            if PLACEHOLDER in v:
+                fail(f"{where}: Secret {s['metadata']['name']} key {k} holds a placeholder ({PLACEHOLDER}): "
+                     f"{rel(SECRET_EXAMPLE)} must never be a resource of an overlay")
+    if path.name == "prod" and secrets:
+        fail(f"{where}: the prod overlay must not render a Secret (it is created out of band): {sorted(secrets)}")
     if secrets:
         s = secrets.get(secret_name)
         if not s:
             fail(f"{where}: Secret {secret_name} referenced by the Deployment is not in the output")
-        missing = set(SECRET_ENV.values()) - set(s.get("data", {})) - set(s.get("stringData", {}))
+        secret_data = secret_values(s)
+        needed = set(SECRET_KEYS.values()) | ({"provider-url"} if "TOLLGATE_PROVIDER_URL_FILE" in env else set())
+        missing = needed - set(secret_data)
         if missing:
             fail(f"{where}: Secret {secret_name} lacks keys {sorted(missing)}")
     elif secret_name != "tollgate-secrets":
         fail(f"{where}: external Secret must be named tollgate-secrets (documented in docs/operations.md)")
+    else:
+        secret_data = secret_values(load_yaml(SECRET_EXAMPLE))  # the shape operators create
 
     # Configuration file: mounted where TOLLGATE_CONFIG says, keys known.
     cfg_path = (env.get("TOLLGATE_CONFIG") or {}).get("value")
     if not cfg_path:
         fail(f"{where}: TOLLGATE_CONFIG must point at the mounted tollgate.toml")
-    mounts = {m["name"]: m["mountPath"] for m in c.get("volumeMounts", [])}
-    vols = {v["name"]: v for v in spec.get("volumes", [])}
     cm_name = None
-    for vname, mpath in mounts.items():
-        if cfg_path.startswith(mpath.rstrip("/") + "/") and "configMap" in vols.get(vname, {}):
+    for vname, m in mounts.items():
+        if cfg_path.startswith(m["mountPath"].rstrip("/") + "/") and "configMap" in vols.get(vname, {}):
             cm_name = vols[vname]["configMap"]["name"]
     cms = {d["metadata"]["name"]: d for d in by_kind.get("ConfigMap", [])}
     if cm_name not in cms:
@@ -606,9 +717,9 @@ def check_overlay(path: Path) -> str:
     shards = int(cfg.get("shards", 4))
     prefix = cfg.get("prefix", "tollgate")
 
-    for kind in ("Service", "PodDisruptionBudget", "PodMonitor"):
+    for kind in ("Service", "PodDisruptionBudget", "PodMonitor", "NetworkPolicy"):
         for d in by_kind.get(kind, []):
-            sel = d["spec"]["selector"]
+            sel = d["spec"]["podSelector" if kind == "NetworkPolicy" else "selector"]
             sel = sel if kind != "Service" else {"matchLabels": sel}
             if not labels_match(sel, labels):
                 fail(f"{where}: {kind}/{d['metadata']['name']} selector does not match the worker pods")
@@ -620,6 +731,21 @@ def check_overlay(path: Path) -> str:
             fail(f"{where}: PodMonitor jobLabel must give job=\"tollgate\" (runbooks use it)")
     for d in by_kind.get("PrometheusRule", []):
         compare_rules(d, f"{where}: PrometheusRule/{d['metadata']['name']}")
+
+    # NetworkPolicy: ingress only to the HTTP port; egress to DNS and to the
+    # ports of every URL the workers use (Secret, env, configuration file).
+    urls = {k: v for k, v in secret_data.items() if k.endswith("-url")}
+    for var, e in env.items():
+        if var.endswith("_URL") or (var.startswith("TOLLGATE_ROUTES__") and var.endswith("__URL")):
+            if e.get("value"):
+                urls[var] = e["value"]
+    for k in ("provider_url", "eligibility_url"):
+        if cfg.get(k):
+            urls[k] = cfg[k]
+    for kind_, r in (cfg.get("routes") or {}).items():
+        if r.get("url"):
+            urls[f"routes.{kind_}.url"] = r["url"]
+    check_network_policy(by_kind.get("NetworkPolicy", []), ports, urls, where)
 
     boards = [d for d in by_kind.get("ConfigMap", []) if (d["metadata"].get("labels") or {}).get("grafana_dashboard") == "1"]
     if by_kind.get("PodMonitor"):
@@ -663,7 +789,7 @@ def check_kustomize() -> None:
     overlays = sorted(p for p in (K8S / "overlays").iterdir() if (p / "kustomization.yaml").is_file())
     if not overlays:
         fail("no overlays under deploy/kubernetes/overlays")
-    results = [check_overlay(o) for o in overlays]
+    results = [check_secret_example()] + [check_overlay(o) for o in overlays]
     prod = [r for r in results if "ScaledObject" in r and "PrometheusRule" in r]
     if not prod:
         fail("no overlay builds the KEDA ScaledObject and the PrometheusRule together")

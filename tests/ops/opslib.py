@@ -27,7 +27,7 @@ HISTOGRAMS = {
     "tollgate_quota_wait_seconds",
     "tollgate_provider_request_duration_seconds",
 }
-GAUGES = {"tollgate_jobs_in_flight", "tollgate_build_info"}
+GAUGES = {"tollgate_jobs_in_flight", "tollgate_consuming", "tollgate_build_info"}
 SERIES = (
     COUNTERS
     | GAUGES
