@@ -4,7 +4,9 @@
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use tollgate_tests::{FakeProvider, TestEnv, fake_provider, free_port, tollgate_bin, wait_for};
+use tollgate_tests::{
+    FakeProvider, TestEnv, WorkerProcess, fake_provider, free_port, tollgate_bin, wait_for,
+};
 
 /// Runs `tollgate <args>` against this test's prefix; returns stdout.
 fn tollgate(env: &TestEnv, args: &[&str]) -> String {
@@ -57,12 +59,7 @@ async fn the_binary_runs_a_worker_and_every_verb_works() {
     );
 
     let port = free_port();
-    let mut worker = Command::new(tollgate_bin())
-        .arg("worker")
-        .env("TOLLGATE_PREFIX", &env.config.prefix)
-        .env("TOLLGATE_SHARDS", env.config.shards.to_string())
-        .env("TOLLGATE_PROVIDER_URL", provider.url())
-        .env("TOLLGATE_HTTP_ADDR", format!("127.0.0.1:{port}"))
+    let mut worker = WorkerProcess::command(&env, &provider.url(), port)
         .env("TOLLGATE_LOG_FORMAT", "json")
         .stdout(Stdio::null())
         .stderr(Stdio::piped())

@@ -7,7 +7,7 @@ use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
-use tollgate_tests::{FakeProvider, Received, Reply, TestEnv, free_port, tollgate_bin, wait_for};
+use tollgate_tests::{FakeProvider, Received, Reply, TestEnv, WorkerProcess, free_port, wait_for};
 
 /// Every family and its label names, as DESIGN.md and the dashboards use them.
 fn pinned() -> BTreeMap<&'static str, Vec<&'static str>> {
@@ -100,12 +100,7 @@ async fn labels_are_pinned_and_payloads_never_leak() {
     let port = free_port();
     let log_path = std::env::temp_dir().join(format!("{}.log", env.config.prefix));
     let log = std::fs::File::create(&log_path).unwrap();
-    let mut worker = Command::new(tollgate_bin())
-        .arg("worker")
-        .env("TOLLGATE_PREFIX", &env.config.prefix)
-        .env("TOLLGATE_SHARDS", env.config.shards.to_string())
-        .env("TOLLGATE_PROVIDER_URL", provider.url())
-        .env("TOLLGATE_HTTP_ADDR", format!("127.0.0.1:{port}"))
+    let mut worker = WorkerProcess::command(&env, &provider.url(), port)
         .env("TOLLGATE_LOG_FORMAT", "json")
         .env("TOLLGATE_MAX_ATTEMPTS", "2")
         .env("TOLLGATE_BACKOFF_BASE_MS", "50")

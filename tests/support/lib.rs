@@ -326,8 +326,9 @@ pub struct WorkerProcess {
 }
 
 impl WorkerProcess {
-    pub fn spawn(env: &TestEnv, provider_url: &str, extra: &[(&str, &str)]) -> Self {
-        let http_port = free_port();
+    /// The command that starts `tollgate worker` on this env's prefix and
+    /// `provider_url`, serving HTTP on `http_port`; callers add to it.
+    pub fn command(env: &TestEnv, provider_url: &str, http_port: u16) -> std::process::Command {
         let mut command = std::process::Command::new(tollgate_bin());
         command
             .arg("worker")
@@ -335,11 +336,17 @@ impl WorkerProcess {
             .env("TOLLGATE_SHARDS", env.config.shards.to_string())
             .env("TOLLGATE_PROVIDER_URL", provider_url)
             .env("TOLLGATE_HTTP_ADDR", format!("127.0.0.1:{http_port}"))
-            .env(
-                "RUST_LOG",
-                std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()),
-            )
             .stdout(std::process::Stdio::null());
+        command
+    }
+
+    pub fn spawn(env: &TestEnv, provider_url: &str, extra: &[(&str, &str)]) -> Self {
+        let http_port = free_port();
+        let mut command = Self::command(env, provider_url, http_port);
+        command.env(
+            "RUST_LOG",
+            std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()),
+        );
         if std::env::var_os("TEST_LOG").is_none() {
             command.stderr(std::process::Stdio::null());
         }

@@ -204,11 +204,7 @@ impl Broker {
     ) -> Result<(), AmqpError> {
         let mut headers = delivery.properties.headers().clone().unwrap_or_default();
         headers::write_progress(&mut headers, progress);
-        let props = delivery
-            .properties
-            .clone()
-            .with_delivery_mode(2)
-            .with_headers(headers);
+        let props = copy_properties(delivery, headers);
         self.publish(
             &self.topology.tier(tier),
             tenant.as_str(),
@@ -238,11 +234,7 @@ impl Broker {
             headers::DEAD_AT_MS.into(),
             lapin::types::AMQPValue::LongLongInt(now.0),
         );
-        let props = delivery
-            .properties
-            .clone()
-            .with_delivery_mode(2)
-            .with_headers(headers);
+        let props = copy_properties(delivery, headers);
         self.publish(
             &self.topology.dead_letter_exchange(),
             delivery.routing_key.as_str(),
@@ -365,11 +357,7 @@ impl Broker {
             for name in headers::ALL.into_iter().chain(rabbitmq) {
                 fresh = headers::without(fresh, name);
             }
-            let props = delivery
-                .properties
-                .clone()
-                .with_delivery_mode(2)
-                .with_headers(fresh);
+            let props = copy_properties(&delivery, fresh);
             let (exchange, key) = (self.topology.jobs_exchange(), delivery.routing_key.as_str());
             self.publish(&exchange, key, &delivery.data, props).await?;
             channel
@@ -433,6 +421,15 @@ impl ConsumerControl {
     pub async fn close(&self) {
         let _ = self.channel.close(200, "consumer done".into()).await;
     }
+}
+
+/// The properties of a copy of `delivery` (persistent) carrying `headers`.
+fn copy_properties(delivery: &Delivery, headers: FieldTable) -> BasicProperties {
+    delivery
+        .properties
+        .clone()
+        .with_delivery_mode(2)
+        .with_headers(headers)
 }
 
 /// Properties of a job message: JSON, persistent.

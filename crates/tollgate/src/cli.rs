@@ -458,6 +458,15 @@ pub fn parse_quota(rate: &str, burst: u32) -> anyhow::Result<Quota> {
     Quota::new(rate, burst).context("--burst")
 }
 
+fn print_change(target: &Target, old: &Settings, new: &Settings) {
+    println!(
+        "{}: {} → {}",
+        target.label(),
+        old.describe(),
+        new.describe()
+    );
+}
+
 fn show(target: &Target, settings: Option<&Settings>, default: &str) -> String {
     let name = target.label();
     match settings {
@@ -508,12 +517,7 @@ pub async fn quota(config: &Config, command: &QuotaCommand) -> anyhow::Result<()
                 },
             };
             let (old, new) = store.apply(&target, change, &actor).await?;
-            println!(
-                "{}: {} → {}",
-                target.label(),
-                old.describe(),
-                new.describe()
-            );
+            print_change(&target, &old, &new);
         }
         QuotaCommand::Get { target } => {
             let target = target.target()?;
@@ -545,12 +549,7 @@ pub async fn quota(config: &Config, command: &QuotaCommand) -> anyhow::Result<()
                 Change::Delete
             };
             let (old, new) = store.apply(&target, change, &actor).await?;
-            println!(
-                "{}: {} → {}",
-                target.label(),
-                old.describe(),
-                new.describe()
-            );
+            print_change(&target, &old, &new);
         }
         QuotaCommand::Default { rate, burst } => match rate {
             Some(rate) => {
@@ -559,7 +558,7 @@ pub async fn quota(config: &Config, command: &QuotaCommand) -> anyhow::Result<()
                     concurrency: None,
                 };
                 let (old, new) = store.apply(&Target::Default, change, &actor).await?;
-                println!("default: {} → {}", old.describe(), new.describe());
+                print_change(&Target::Default, &old, &new);
             }
             None => println!("default: {}", effective_default(&store, config).await?),
         },
