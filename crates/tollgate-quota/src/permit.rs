@@ -104,7 +104,10 @@ impl Local {
     }
 
     /// Learns from a Redis reply; returns the decision for the asking job.
-    fn learn(&mut self, reply: Reply, now: Instant, ttl: Duration) -> PermitDecision {
+    /// The unused rest of a block is kept until used or expired, whatever
+    /// else Redis says: its slots are places already taken in the tenant's
+    /// line, and dropping them would leave gaps nobody fills.
+    fn learn(&mut self, reply: Reply, now: Instant, ttl: Duration, fresh: bool) -> PermitDecision {
         let expires = now + ttl;
         match reply {
             Reply::Denied {
@@ -114,8 +117,8 @@ impl Local {
                 kept,
             } => {
                 self.waiting_until = Some(expires);
-                if !kept {
-                    self.slots = (slots > 1).then(|| Slots {
+                if !kept && slots > 1 {
+                    self.slots = Some(Slots {
                         next: now + retry_in + interval,
                         interval,
                         left: slots - 1,
@@ -131,7 +134,12 @@ impl Local {
             Reply::Decision(decision) => {
                 match decision {
                     PermitDecision::Paused { retry_in } => self.paused = Some((retry_in, expires)),
-                    PermitDecision::Granted { .. } => *self = Local::default(),
+                    // A new job got through: the tenant flows again. (A job
+                    // back for its place says nothing about newcomers.)
+                    PermitDecision::Granted { .. } if fresh => {
+                        self.waiting_until = None;
+                        self.paused = None;
+                    }
                     _ => {}
                 }
                 decision
@@ -316,7 +324,7 @@ impl PermitStore for RedisPermits {
         if req.returning.is_some() {
             let reply = self.decide(req, 1, None).await?;
             let mut local = state.local.lock().await;
-            let decision = local.learn(reply, Instant::now(), ttl);
+            let decision = local.learn(reply, Instant::now(), ttl, false);
             self.tidy(&key, &local);
             return Ok(decision);
         }
@@ -333,12 +341,12 @@ impl PermitStore for RedisPermits {
             // behind, which take the rest of it without a round trip.
             let slots = (1 + behind).min(self.settings.denial_block);
             let reply = self.decide(req, slots, None).await?;
-            return Ok(local.learn(reply, Instant::now(), ttl));
+            return Ok(local.learn(reply, Instant::now(), ttl, true));
         }
         drop(local);
         let reply = self.decide(req, 1, None).await?;
         let mut local = state.local.lock().await;
-        let decision = local.learn(reply, Instant::now(), ttl);
+        let decision = local.learn(reply, Instant::now(), ttl, true);
         self.tidy(&key, &local);
         Ok(decision)
     }
