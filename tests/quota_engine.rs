@@ -536,3 +536,87 @@ async fn the_admin_api_needs_the_right_token() {
     assert_eq!(bad.status(), 400);
     env.cleanup().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_quota_baseline_survives_losing_redis_and_never_overrides_a_live_change() {
+    let mut redis = tollgate_tests::PrivateRedis::start().await;
+    let dir =
+        std::env::temp_dir().join(format!("tgtest-baseline-{}", uuid::Uuid::new_v4().simple()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("quotas.toml");
+    std::fs::write(
+        &file,
+        "[default]\nrate = \"3/s\"\n\n[tenants.acme]\nrate = \"7/s\"\nconcurrency = 2\n\n[routes.default]\nrate = \"50/s\"\n",
+    )
+    .unwrap();
+    let (url, path) = (redis.url(), file.display().to_string());
+    let env = TestEnv::new_with("http://127.0.0.1:9/unused", |c| {
+        c.redis_url = tollgate::config::SecretUrl::new(url);
+        c.quotas_file = Some(path);
+        c.quota_seed_interval_ms = 200;
+    })
+    .await;
+    let acme = tenant("acme");
+    let stored = |target: Target| {
+        let store = &env.quotas;
+        async move {
+            store
+                .get(&target)
+                .await
+                .ok()
+                .flatten()
+                .and_then(|s| s.quota)
+        }
+    };
+    let worker = env.spawn_worker().await;
+    wait_for("the baseline seeded", Duration::from_secs(10), || async {
+        stored(acme.clone()).await == Some(quota("7/s", 1))
+    })
+    .await;
+    assert_eq!(
+        stored(Target::Route(Kind::default_kind())).await,
+        Some(quota("50/s", 1))
+    );
+    assert_eq!(stored(Target::Default).await, Some(quota("3/s", 1)));
+
+    // A live change wins over the baseline…
+    env.set_quota("acme", "9/s", 1).await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(
+        stored(acme.clone()).await,
+        Some(quota("9/s", 1)),
+        "seeding overwrote a live change"
+    );
+
+    // …until Redis loses everything: the baseline comes back by itself.
+    redis.stop();
+    redis.start_again().await;
+    wait_for(
+        "the baseline re-seeded",
+        Duration::from_secs(15),
+        || async { stored(acme.clone()).await == Some(quota("7/s", 1)) },
+    )
+    .await;
+    let history = env.quotas.history(Some(&acme), 5).await.unwrap();
+    assert_eq!(history[0].who, "baseline");
+    assert_eq!(
+        env.quotas.get(&acme).await.unwrap().unwrap().concurrency,
+        Some(2)
+    );
+
+    // export writes the live state in the baseline's format.
+    env.set_quota("acme", "11/s", 2).await;
+    let exported = tollgate::baseline::Baseline::export(&env.quotas)
+        .await
+        .unwrap();
+    assert_eq!(exported.tenants["acme"].rate, "11/s");
+    assert_eq!(exported.tenants["acme"].burst, 2);
+    assert_eq!(exported.routes["default"].rate, "50/s");
+    // and seed --overwrite is the deliberate reset.
+    let baseline = tollgate::baseline::Baseline::load(&file.display().to_string()).unwrap();
+    baseline.seed(&env.quotas, true).await.unwrap();
+    assert_eq!(stored(acme.clone()).await, Some(quota("7/s", 1)));
+    worker.stop().await.unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    env.cleanup().await;
+}

@@ -167,6 +167,21 @@ pub enum QuotaCommand {
         #[arg(long, default_value_t = 1)]
         burst: u32,
     },
+    /// Write the baseline's quotas into Redis where they are missing (with
+    /// --overwrite: all of them, undoing live changes).
+    #[command(
+        after_help = "Examples:\n  TOLLGATE_QUOTAS_FILE=quotas.toml tollgate quota seed\n  tollgate quota seed --file quotas.toml --overwrite"
+    )]
+    Seed {
+        /// The baseline (default: TOLLGATE_QUOTAS_FILE).
+        #[arg(long)]
+        file: Option<String>,
+        #[arg(long)]
+        overwrite: bool,
+    },
+    /// Print the live quotas in the baseline's TOML format.
+    #[command(after_help = "Example: tollgate quota export > quotas.toml")]
+    Export,
     /// Every change, newest first: who, when, from where, old → new.
     #[command(
         after_help = "Examples:\n  tollgate quota history\n  tollgate quota history acme --limit 10"
@@ -562,6 +577,21 @@ pub async fn quota(config: &Config, command: &QuotaCommand) -> anyhow::Result<()
             }
             None => println!("default: {}", effective_default(&store, config).await?),
         },
+        QuotaCommand::Seed { file, overwrite } => {
+            let baseline = match file.as_deref().or(config.quotas_file.as_deref()) {
+                Some(path) => crate::baseline::Baseline::load(path)?,
+                None => bail!("no baseline: pass --file or set TOLLGATE_QUOTAS_FILE"),
+            };
+            let written = baseline.seed(&store, *overwrite).await?;
+            println!("seeded {} quota(s) from the baseline", written.len());
+            for target in written {
+                println!("  {}", target.label());
+            }
+        }
+        QuotaCommand::Export => {
+            let baseline = crate::baseline::Baseline::export(&store).await?;
+            print!("{}", toml::to_string(&baseline)?);
+        }
         QuotaCommand::History { target, limit } => {
             let target = target.optional()?;
             let entries = store.history(target.as_ref(), *limit).await?;

@@ -157,6 +157,10 @@ pub struct Config {
     pub pod_max_rate: Option<String>,
     /// How long a cancellation is remembered.
     pub cancel_ttl_s: u64,
+    /// The quota baseline (TOML) seeded into Redis when quotas are missing.
+    pub quotas_file: Option<String>,
+    /// How often a worker checks that the baseline's quotas are in Redis.
+    pub quota_seed_interval_ms: u64,
     /// Deliveries of one tenant a pod holds in-process at once; beyond it,
     /// short waits are parked too, so one tenant cannot fill the prefetch.
     pub tenant_hold_max: usize,
@@ -214,6 +218,8 @@ impl Default for Config {
             denial_cache_ms: 1_000,
             pod_max_rate: None,
             cancel_ttl_s: 7 * 24 * 3600,
+            quotas_file: None,
+            quota_seed_interval_ms: 30_000,
             shards: 4,
             delay_tiers_ms: vec![
                 100, 250, 500, 1_000, 5_000, 30_000, 120_000, 600_000, 3_600_000,
@@ -244,10 +250,18 @@ fn kubernetes_service_link(key: &str) -> bool {
     key == "port" || key.starts_with("port_") || key.starts_with("service_")
 }
 
-/// `TOLLGATE_<KEY>_FILE` names a file holding a secret (see
-/// [`Config::with_secret_files`]), not a setting of its own.
+/// The settings that may come from a file (`TOLLGATE_<KEY>_FILE`), because
+/// they hold credentials.
+const SECRET_KEYS: [&str; 4] = ["amqp_url", "redis_url", "provider_url", "admin_token"];
+
+/// `TOLLGATE_<SECRET KEY>_FILE` names a file holding a secret (see
+/// [`Config::with_secret_files`]), not a setting of its own. Settings that
+/// are paths themselves (`tls_ca_file`, `quotas_file`) are not such keys.
 fn is_file_key(key: &str) -> bool {
-    key.to_ascii_lowercase().ends_with("_file")
+    let key = key.to_ascii_lowercase();
+    SECRET_KEYS
+        .iter()
+        .any(|s| key.strip_suffix("_file") == Some(s))
 }
 
 impl Config {
@@ -292,16 +306,17 @@ impl Config {
                 std::fs::read_to_string(&path).with_context(|| format!("{var}: reading {path}"))?;
             Ok(Some(text.trim_end().to_owned()))
         };
-        if let Some(v) = read("amqp_url")? {
+        let [amqp, redis, provider, admin] = SECRET_KEYS;
+        if let Some(v) = read(amqp)? {
             self.amqp_url = SecretUrl::new(v);
         }
-        if let Some(v) = read("redis_url")? {
+        if let Some(v) = read(redis)? {
             self.redis_url = SecretUrl::new(v);
         }
-        if let Some(v) = read("provider_url")? {
+        if let Some(v) = read(provider)? {
             self.provider_url = Some(SecretUrl::new(v));
         }
-        if let Some(v) = read("admin_token")? {
+        if let Some(v) = read(admin)? {
             self.admin_token = Some(Secret::new(v));
         }
         Ok(self)
@@ -343,6 +358,7 @@ impl Config {
         self.routes()?;
         self.pod_max_rate()?;
         self.tls_ca_pem()?;
+        self.baseline()?;
         Ok(())
     }
 
@@ -406,6 +422,14 @@ impl Config {
             denial_block: self.denial_block.max(1),
             denial_cache_ttl: Duration::from_millis(self.denial_cache_ms),
         })
+    }
+
+    /// The quota baseline, if `quotas_file` is set.
+    pub fn baseline(&self) -> anyhow::Result<Option<crate::baseline::Baseline>> {
+        self.quotas_file
+            .as_deref()
+            .map(crate::baseline::Baseline::load)
+            .transpose()
     }
 
     /// The contents of `tls_ca_file`, if set.
@@ -533,7 +557,11 @@ mod tests {
             jail.set_env("TOLLGATE_AMQP_URL", "amqp://app:from-env@rabbit:5672/%2f");
             jail.set_env("TOLLGATE_AMQP_URL_FILE", "amqp-url");
             jail.set_env("TOLLGATE_ADMIN_TOKEN_FILE", "admin-token");
+            // Settings that are paths are plain settings, not secret files.
+            jail.create_file("ca.pem", "not checked here")?;
+            jail.set_env("TOLLGATE_TLS_CA_FILE", "ca.pem");
             let config = Config::load(None).expect("loads");
+            assert_eq!(config.tls_ca_file.as_deref(), Some("ca.pem"));
             assert_eq!(
                 config.amqp_url.expose(),
                 "amqp://app:from-file@rabbit:5672/%2f"

@@ -3,6 +3,7 @@
 //! parses arguments and maps failures to exit codes.
 
 pub mod admin;
+pub mod baseline;
 pub mod bench;
 pub mod cli;
 pub mod config;

@@ -32,9 +32,10 @@ use tollgate_core::{
     Policy, Progress, ProviderOutcome, UnixMillis,
 };
 use tollgate_provider::HttpProvider;
-use tollgate_quota::{Keys, Redis, RedisPermits};
+use tollgate_quota::{Keys, QuotaStore, Redis, RedisPermits, Target};
 use tracing::{Instrument, debug, error, info, info_span, warn};
 
+use crate::baseline::Baseline;
 use crate::config::{Config, SecretUrl};
 use crate::holds::HoldGate;
 use crate::metrics::{Metrics, UNKNOWN_TENANT};
@@ -74,6 +75,38 @@ pub struct Worker<P, V> {
     holds: HoldGate,
     /// Optional per-pod ceiling on provider calls (governor, local only).
     ceiling: Option<DefaultDirectRateLimiter>,
+    /// Re-seeds the quota baseline into Redis when quotas go missing.
+    seeder: Option<Seeder>,
+}
+
+/// The quota baseline and how often to make sure Redis holds it.
+struct Seeder {
+    baseline: Baseline,
+    store: QuotaStore,
+    every: Duration,
+}
+
+impl Seeder {
+    /// Seeds now and then every `every`, until the worker stops.
+    async fn run(&self, mut stopping: watch::Receiver<bool>) {
+        loop {
+            match self.baseline.seed(&self.store, false).await {
+                Ok(written) if !written.is_empty() => {
+                    let targets: Vec<String> = written.iter().map(Target::label).collect();
+                    warn!(
+                        ?targets,
+                        "quotas were missing in Redis: seeded from the baseline"
+                    );
+                }
+                Ok(_) => {}
+                Err(e) => warn!(error = format!("{e:#}"), "seeding the quota baseline"),
+            }
+            tokio::select! {
+                () = tokio::time::sleep(self.every) => {}
+                _ = stopping.wait_for(|&s| s) => return,
+            }
+        }
+    }
 }
 
 /// The worker wired to the real adapters.
@@ -83,6 +116,11 @@ impl LiveWorker {
     /// Builds the worker; nothing connects until [`Worker::run`].
     pub fn new(config: &Config, metrics: Metrics) -> anyhow::Result<Self> {
         let redis = Arc::new(Redis::new(&config.redis_settings())?);
+        let seeder = config.baseline()?.map(|baseline| Seeder {
+            baseline,
+            store: QuotaStore::new(Arc::clone(&redis), Keys::new(&config.prefix)),
+            every: Duration::from_millis(config.quota_seed_interval_ms),
+        });
         let permits =
             RedisPermits::new(redis, Keys::new(&config.prefix), config.permit_settings()?);
         let provider = HttpProvider::new(
@@ -107,6 +145,7 @@ impl LiveWorker {
             consuming: AtomicBool::new(false),
             stopping: watch::channel(false).0,
             holds: HoldGate::new(config.tenant_hold_max),
+            seeder,
             ceiling: config.pod_max_rate()?.map(|rate| {
                 let period = Duration::from_micros(rate.interval_micros());
                 RateLimiter::direct(
@@ -194,6 +233,15 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
         let mut tasks = JoinSet::new();
         tokio::pin!(shutdown);
         let mut failures = 0u32;
+        let seeding = self.seeder.is_some().then(|| {
+            let worker = Arc::clone(&self);
+            let stopping = self.stopping.subscribe();
+            tokio::spawn(async move {
+                if let Some(seeder) = &worker.seeder {
+                    seeder.run(stopping).await;
+                }
+            })
+        });
         let last = loop {
             match self.session(&mut tasks, &mut shutdown).await {
                 Ok(SessionEnd::Shutdown(control, broker)) => break Some((control, broker)),
@@ -222,6 +270,9 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
         };
         self.set_consuming(false);
         self.stopping.send_replace(true);
+        if let Some(seeding) = seeding {
+            let _ = seeding.await;
+        }
         info!(in_flight = tasks.len(), "draining in-flight deliveries");
         let drained = tokio::time::timeout(self.shutdown_grace, async {
             while tasks.join_next().await.is_some() {}

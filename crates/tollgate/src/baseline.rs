@@ -1,0 +1,206 @@
+//! The quota baseline: a declarative TOML file (`TOLLGATE_QUOTAS_FILE`,
+//! mounted from a ConfigMap in Kubernetes) that workers seed into Redis
+//! whenever a quota it names is missing — after a Redis restart or failover
+//! lost the live state. Live changes override it (seeding never overwrites a
+//! stored quota) until an operator deliberately resets to it
+//! (`tollgate quota seed --overwrite`). `tollgate quota export` writes the
+//! live state in the same format.
+//!
+//! ```toml
+//! [default]
+//! rate = "10/s"
+//! burst = 1
+//!
+//! [tenants.acme]
+//! rate = "20/s"
+//! burst = 1
+//! concurrency = 4
+//!
+//! [routes.email]
+//! rate = "100/s"
+//! ```
+
+use std::collections::BTreeMap;
+
+use anyhow::Context;
+use serde::{Deserialize, Serialize};
+use tollgate_core::{Kind, Quota, TenantId};
+use tollgate_quota::{Actor, Change, QuotaStore, Settings, Target};
+
+use crate::cli::parse_quota;
+
+#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct Baseline {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub default: Option<Entry>,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub tenants: BTreeMap<String, Entry>,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub routes: BTreeMap<String, Entry>,
+}
+
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct Entry {
+    pub rate: String,
+    #[serde(default = "one")]
+    pub burst: u32,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub concurrency: Option<u32>,
+}
+
+fn one() -> u32 {
+    1
+}
+
+impl Entry {
+    fn from_settings(s: &Settings) -> Option<Self> {
+        s.quota.map(|q| Self {
+            rate: q.rate.to_string(),
+            burst: q.burst,
+            concurrency: s.concurrency,
+        })
+    }
+}
+
+/// Who seeding acts as, in the audit trail.
+fn actor() -> Actor {
+    Actor {
+        who: "baseline".into(),
+        source: "baseline",
+    }
+}
+
+impl Baseline {
+    pub fn load(path: &str) -> anyhow::Result<Self> {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("reading the quota baseline {path}"))?;
+        let baseline: Baseline =
+            toml::from_str(&text).with_context(|| format!("parsing the quota baseline {path}"))?;
+        baseline
+            .changes()
+            .with_context(|| format!("the quota baseline {path}"))?;
+        Ok(baseline)
+    }
+
+    /// Every entry as a validated (target, change).
+    pub fn changes(&self) -> anyhow::Result<Vec<(Target, Change)>> {
+        let change = |e: &Entry| -> anyhow::Result<Change> {
+            Ok(Change::SetQuota {
+                quota: parse_quota(&e.rate, e.burst)?,
+                concurrency: e.concurrency,
+            })
+        };
+        let mut out = Vec::new();
+        if let Some(d) = &self.default {
+            anyhow::ensure!(
+                d.concurrency.is_none(),
+                "[default]: concurrency applies to tenants"
+            );
+            out.push((Target::Default, change(d)?));
+        }
+        for (name, e) in &self.tenants {
+            let tenant =
+                TenantId::parse(name.as_str()).with_context(|| format!("[tenants.{name}]"))?;
+            out.push((
+                Target::Tenant(tenant),
+                change(e).with_context(|| format!("[tenants.{name}]"))?,
+            ));
+        }
+        for (name, e) in &self.routes {
+            let route = Kind::parse(name.as_str()).with_context(|| format!("[routes.{name}]"))?;
+            anyhow::ensure!(
+                e.concurrency.is_none(),
+                "[routes.{name}]: concurrency applies to tenants"
+            );
+            out.push((
+                Target::Route(route),
+                change(e).with_context(|| format!("[routes.{name}]"))?,
+            ));
+        }
+        Ok(out)
+    }
+
+    /// Writes every entry whose quota Redis does not hold (all of them with
+    /// `overwrite`); returns the targets written. Pause, shadow quotas and
+    /// anything not in the baseline are left alone.
+    pub async fn seed(&self, store: &QuotaStore, overwrite: bool) -> anyhow::Result<Vec<Target>> {
+        let mut written = Vec::new();
+        for (target, change) in self.changes()? {
+            let stored = store.get(&target).await?.and_then(|s| s.quota);
+            if stored.is_none() || overwrite {
+                store.apply(&target, change, &actor()).await?;
+                written.push(target);
+            }
+        }
+        Ok(written)
+    }
+
+    /// The live state in the baseline's format.
+    pub async fn export(store: &QuotaStore) -> anyhow::Result<Self> {
+        let mut baseline = Baseline {
+            default: store
+                .get(&Target::Default)
+                .await?
+                .as_ref()
+                .and_then(Entry::from_settings),
+            ..Baseline::default()
+        };
+        for (tenant, s) in store.tenants().await? {
+            if let Some(e) = Entry::from_settings(&s) {
+                baseline.tenants.insert(tenant.to_string(), e);
+            }
+        }
+        for (route, s) in store.routes().await? {
+            if let Some(e) = Entry::from_settings(&s) {
+                baseline.routes.insert(route.to_string(), e);
+            }
+        }
+        Ok(baseline)
+    }
+}
+
+/// The quota a baseline entry stands for (for tests and tools).
+pub fn quota_of(entry: &Entry) -> anyhow::Result<Quota> {
+    parse_quota(&entry.rate, entry.burst)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_validates_and_round_trips() {
+        let text = r#"
+            [default]
+            rate = "5/s"
+
+            [tenants.acme]
+            rate = "20/s"
+            concurrency = 4
+
+            [routes.email]
+            rate = "100/s"
+            burst = 10
+        "#;
+        let baseline: Baseline = toml::from_str(text).unwrap();
+        let changes = baseline.changes().unwrap();
+        assert_eq!(changes.len(), 3);
+        assert_eq!(
+            quota_of(&baseline.tenants["acme"]).unwrap().to_string(),
+            "20/s burst 1"
+        );
+        let again: Baseline = toml::from_str(&toml::to_string(&baseline).unwrap()).unwrap();
+        assert_eq!(again, baseline);
+    }
+
+    #[test]
+    fn rejects_bad_entries_with_their_name() {
+        let bad: Baseline = toml::from_str("[tenants.\"a b\"]\nrate = \"1/s\"").unwrap();
+        assert!(format!("{:#}", bad.changes().unwrap_err()).contains("[tenants.a b]"));
+        let bad: Baseline = toml::from_str("[tenants.acme]\nrate = \"lots\"").unwrap();
+        assert!(format!("{:#}", bad.changes().unwrap_err()).contains("--rate"));
+        assert!(toml::from_str::<Baseline>("[tenants.acme]\nrate = \"1/s\"\ntypo = 1").is_err());
+    }
+}
