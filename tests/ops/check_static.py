@@ -124,7 +124,7 @@ def check_env_keys(env_names, where: str) -> None:
         if not name.startswith("TOLLGATE_"):
             continue
         key = name[len("TOLLGATE_") :].lower()
-        if key.endswith("_file"):
+        if key.endswith("_file") and key not in keys:  # quotas_file, tls_ca_file are paths, not secret files
             if key.removesuffix("_file") not in FILE_KEYS:
                 fail(f"{where}: {name}: tollgate reads a file only for {sorted(k.upper() for k in FILE_KEYS)}")
             continue

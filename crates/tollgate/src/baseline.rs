@@ -196,6 +196,13 @@ mod tests {
     }
 
     #[test]
+    fn the_shipped_baseline_is_valid() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../deploy/kubernetes/base/quotas.toml");
+        let baseline = Baseline::load(path).unwrap();
+        assert_eq!(baseline.default.map(|d| d.rate), Some("10/s".to_owned()));
+    }
+
+    #[test]
     fn rejects_bad_entries_with_their_name() {
         let bad: Baseline = toml::from_str("[tenants.\"a b\"]\nrate = \"1/s\"").unwrap();
         assert!(format!("{:#}", bad.changes().unwrap_err()).contains("[tenants.a b]"));
