@@ -197,7 +197,10 @@ mod tests {
 
     #[test]
     fn the_shipped_baseline_is_valid() {
-        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../deploy/kubernetes/base/quotas.toml");
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../deploy/kubernetes/base/quotas.toml"
+        );
         let baseline = Baseline::load(path).unwrap();
         assert_eq!(baseline.default.map(|d| d.rate), Some("10/s".to_owned()));
     }
