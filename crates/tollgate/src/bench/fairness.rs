@@ -20,7 +20,10 @@ pub async fn run(base: &Config) -> anyhow::Result<Vec<Scenario>> {
 }
 
 /// Lateness (ms) of each job's first request after its due reference.
-fn lags_ms(received: &[crate::fake_provider::Received], due: &[(String, UnixMillis)]) -> Vec<f64> {
+pub(super) fn lags_ms(
+    received: &[crate::fake_provider::Received],
+    due: &[(String, UnixMillis)],
+) -> Vec<f64> {
     due.iter()
         .filter_map(|(id, at)| {
             received
@@ -132,6 +135,20 @@ async fn noisy_neighbour(base: &Config) -> anyhow::Result<Scenario> {
     })
 }
 
+/// `n` due offsets, uniform over 1–10 s, the same sequence on every run
+/// (and for the peer).
+pub(super) fn due_offsets(n: u64) -> Vec<Duration> {
+    let mut seed: u64 = 0x5eed;
+    (0..n)
+        .map(|_| {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            Duration::from_millis(1_000 + (seed >> 33) % 9_000)
+        })
+        .collect()
+}
+
 async fn due_precision(base: &Config) -> anyhow::Result<Scenario> {
     const JOBS: u64 = 100;
     progress("due precision: 100 jobs due 1–10 s ahead at light load");
@@ -140,12 +157,7 @@ async fn due_precision(base: &Config) -> anyhow::Result<Scenario> {
     let metrics = Metrics::new(50, &[]);
     rig.spawn_inprocess(&metrics).await?;
     let mut due = Vec::new();
-    let mut seed: u64 = 0x5eed;
-    for _ in 0..JOBS {
-        seed = seed
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        let due_in = Duration::from_millis(1_000 + (seed >> 33) % 9_000);
+    for due_in in due_offsets(JOBS) {
         let (jobs, _) = rig.publish("cron", 1, Some(due_in), "{}").await?;
         due.extend(
             jobs.into_iter()

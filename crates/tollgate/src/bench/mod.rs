@@ -14,9 +14,14 @@
 //!   fleet obeying a lowered and a raised quota.
 //! - `fairness`: a noisy neighbour's effect on a quiet tenant, parks per
 //!   sent job of a backlog, due precision of scheduled jobs.
+//! - `peer`: Dramatiq (from PyPI, installed into a venv under `target/`)
+//!   with its RabbitMQ broker and a Redis-backed rate limiter per tenant,
+//!   through the throughput, adherence, noisy-neighbour and due-precision
+//!   scenarios; its figures are set beside tollgate's in a comparison table.
 
 mod fairness;
 mod pacing;
+mod peer;
 mod permits;
 mod rig;
 mod throughput;
@@ -40,12 +45,15 @@ pub struct BenchArgs {
     /// Seconds per permit-path measurement.
     #[arg(long, default_value_t = 3)]
     pub permit_seconds: u64,
-    /// Only these scenarios (throughput, permits, pacing, fairness).
+    /// Only these scenarios (throughput, permits, pacing, fairness, peer).
     #[arg(long, value_delimiter = ',')]
     pub only: Vec<String>,
     /// Where report.json and report.md go.
     #[arg(long, default_value = "target/bench")]
     pub out: PathBuf,
+    /// The venv the Dramatiq peer is installed into (created if missing).
+    #[arg(long, default_value = "target/bench-venv")]
+    pub peer_venv: PathBuf,
 }
 
 /// One measured figure: its samples, unit and target.
@@ -71,6 +79,13 @@ impl Figure {
         self
     }
 
+    /// The median of the samples.
+    pub fn median(&self) -> f64 {
+        let mut s = self.samples.clone();
+        s.sort_by(f64::total_cmp);
+        median(&s)
+    }
+
     fn json(&self) -> serde_json::Value {
         let mut s = self.samples.clone();
         s.sort_by(f64::total_cmp);
@@ -91,6 +106,32 @@ pub struct Scenario {
     pub title: &'static str,
     pub parameters: serde_json::Value,
     pub figures: Vec<Figure>,
+}
+
+/// A figure measured on both sides in this run: tollgate's median and the
+/// peer's.
+pub struct Compared {
+    pub scenario: &'static str,
+    pub figure: &'static str,
+    pub unit: &'static str,
+    pub tollgate: f64,
+    pub peer: f64,
+}
+
+impl Compared {
+    /// peer / tollgate, when that means something.
+    fn ratio(&self) -> Option<f64> {
+        let r = self.peer / self.tollgate;
+        (self.tollgate != 0.0 && r.is_finite()).then_some(r)
+    }
+
+    fn json(&self) -> serde_json::Value {
+        json!({
+            "scenario": self.scenario, "figure": self.figure, "unit": self.unit,
+            "tollgate": round(self.tollgate), "dramatiq": round(self.peer),
+            "dramatiq_over_tollgate": self.ratio().map(round),
+        })
+    }
 }
 
 pub fn median(sorted: &[f64]) -> f64 {
@@ -143,6 +184,15 @@ pub async fn run(base: &Config, args: &BenchArgs) -> anyhow::Result<()> {
     if wanted("fairness") {
         scenarios.extend(fairness::run(base).await.context("fairness scenarios")?);
     }
+    let mut peer_versions = serde_json::Value::Null;
+    if wanted("peer") {
+        let (peer, versions) = peer::run(base, args)
+            .await
+            .context("Dramatiq peer scenarios")?;
+        scenarios.extend(peer);
+        peer_versions = versions;
+    }
+    let compared = peer::compare(&scenarios);
 
     let report = json!({
         "machine": {
@@ -151,18 +201,21 @@ pub async fn run(base: &Config, args: &BenchArgs) -> anyhow::Result<()> {
             "rabbitmq": command_version("rabbitmqctl", &["version"]),
             "redis": command_version("redis-server", &["--version"]),
             "profile": if cfg!(debug_assertions) { "debug" } else { "release" },
+            "peer": peer_versions,
         },
         "scenarios": scenarios.iter().map(|s| (s.key.to_owned(), json!({
             "title": s.title,
             "parameters": s.parameters,
             "figures": s.figures.iter().map(|f| (f.name.to_owned(), f.json())).collect::<serde_json::Map<_, _>>(),
         }))).collect::<serde_json::Map<_, _>>(),
+        "comparison": compared.iter().map(Compared::json).collect::<Vec<_>>(),
+        "comparison_notes": if compared.is_empty() { &[][..] } else { peer::CAVEATS },
     });
     std::fs::create_dir_all(&args.out)
         .with_context(|| format!("creating {}", args.out.display()))?;
     let json_path = args.out.join("report.json");
     std::fs::write(&json_path, serde_json::to_string_pretty(&report)?)?;
-    let md = markdown(&report, &scenarios);
+    let md = markdown(&report, &scenarios, &compared);
     let md_path = args.out.join("report.md");
     std::fs::write(&md_path, &md)?;
     println!("{md}");
@@ -184,7 +237,7 @@ fn command_version(cmd: &str, args: &[&str]) -> String {
         .unwrap_or_else(|| "unknown".into())
 }
 
-fn markdown(report: &serde_json::Value, scenarios: &[Scenario]) -> String {
+fn markdown(report: &serde_json::Value, scenarios: &[Scenario], compared: &[Compared]) -> String {
     let m = &report["machine"];
     let mut out = format!(
         "# tollgate bench\n\nMachine: {} cores; tollgate {}; RabbitMQ {}; {}; {} build.\n",
@@ -194,6 +247,46 @@ fn markdown(report: &serde_json::Value, scenarios: &[Scenario]) -> String {
         m["redis"].as_str().unwrap_or("?"),
         m["profile"].as_str().unwrap_or("?"),
     );
+    if let Some(peer) = m["peer"].as_object() {
+        let version = |k: &str| {
+            peer.get(k)
+                .and_then(|v| v.as_str())
+                .unwrap_or("?")
+                .to_owned()
+        };
+        out.push_str(&format!(
+            "Peer: Dramatiq {} (pika {}, redis-py {}, Python {}).\n",
+            version("dramatiq"),
+            version("pika"),
+            version("redis"),
+            version("python"),
+        ));
+    }
+    if !compared.is_empty() {
+        out.push_str(
+            "\n## tollgate vs Dramatiq, same machine, same run\n\n\
+             Medians; each side's setup is in its scenario's parameters below.\n\n\
+             | scenario | figure | tollgate | Dramatiq | Dramatiq / tollgate | unit |\n|---|---|---|---|---|---|\n",
+        );
+        for c in compared {
+            let j = c.json();
+            out.push_str(&format!(
+                "| {} | {} | {} | {} | {} | {} |\n",
+                c.scenario,
+                c.figure,
+                j["tollgate"],
+                j["dramatiq"],
+                c.ratio()
+                    .map(|r| format!("{:.2}", r))
+                    .unwrap_or_else(|| "—".into()),
+                c.unit
+            ));
+        }
+        out.push_str("\nRead with care:\n\n");
+        for note in peer::CAVEATS {
+            out.push_str(&format!("- {note}\n"));
+        }
+    }
     for s in scenarios {
         out.push_str(&format!(
             "\n## {}\n\nParameters: `{}`\n\n| figure | median | min | max | unit | target |\n|---|---|---|---|---|---|\n",

@@ -16,7 +16,7 @@ pub async fn run(base: &Config) -> anyhow::Result<Vec<Scenario>> {
 
 /// Accepted requests per second over the span of the accepted requests,
 /// as a fraction of `quota_per_s`.
-fn utilization(received: &[&Received], quota_per_s: f64) -> f64 {
+pub(super) fn utilization(received: &[&Received], quota_per_s: f64) -> f64 {
     let ok: Vec<Instant> = received
         .iter()
         .filter(|r| r.status == 200)
