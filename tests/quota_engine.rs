@@ -620,3 +620,33 @@ async fn the_quota_baseline_survives_losing_redis_and_never_overrides_a_live_cha
     let _ = std::fs::remove_dir_all(&dir);
     env.cleanup().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pod_ceiling_caps_one_pod_below_generous_quotas() {
+    let provider = FakeProvider::start(fake_provider::always_ok())
+        .await
+        .unwrap();
+    let env = TestEnv::new(&provider.url()).await;
+    for t in ["one", "two"] {
+        env.set_quota(t, "200/s", 20).await;
+    }
+    // The fleet would allow 400/s; this pod allows itself 5/s.
+    let worker = env
+        .spawn_worker_with(|c| c.pod_max_rate = Some("5/s".into()))
+        .await;
+    env.publish("one", 10, |_| {}).await;
+    env.publish("two", 10, |_| {}).await;
+    wait_for("20 sends", Duration::from_secs(30), || async {
+        provider.accepted() >= 20
+    })
+    .await;
+    let times: Vec<Instant> = provider.received().iter().map(|r| r.instant).collect();
+    let worst = max_in_window(&times, Duration::from_secs(1));
+    assert!(
+        worst <= 6,
+        "{worst} calls in one second from a pod capped at 5/s"
+    );
+    assert_eq!(sent_keys(&provider.received()).len(), 20);
+    worker.stop().await.unwrap();
+    env.cleanup().await;
+}
