@@ -33,7 +33,7 @@ test: services
 # A live demonstration: fake provider with its own per-tenant limits, four
 # tenants, three workers, a table per tenant; about 30 s, exits 0.
 demo: services
-	$(CARGO) run --quiet -p tollgate -- demo $(DEMO_ARGS)
+	$(CARGO) run --release --quiet -p tollgate -- demo $(DEMO_ARGS)
 
 # Throughput and pacing figures, written to target/bench/.
 bench: services
