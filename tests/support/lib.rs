@@ -155,17 +155,7 @@ impl TestEnv {
         count: u32,
         tweak: impl Fn(&mut cli::PublishArgs),
     ) -> Vec<Job> {
-        let mut args = cli::PublishArgs {
-            tenant: tenant.into(),
-            kind: "default".into(),
-            due_in: None,
-            due_at: None,
-            expires_in: None,
-            count,
-            payload: "{}".into(),
-            id: None,
-            idempotency_key: None,
-        };
+        let mut args = cli::PublishArgs::new(tenant, count);
         tweak(&mut args);
         let now = now();
         let jobs = cli::build_jobs(&args, now).expect("valid publish args");

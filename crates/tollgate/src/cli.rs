@@ -102,6 +102,9 @@ pub struct PublishArgs {
     /// Idempotency key for every published job; default: the job id.
     #[arg(long)]
     pub idempotency_key: Option<String>,
+    /// While RabbitMQ is unreachable, keep retrying this long before failing.
+    #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
+    pub retry_for: Duration,
 }
 
 /// Whose quota: a tenant, or with `--route` a provider route's shared bucket.
@@ -280,6 +283,24 @@ pub fn quota_store(config: &Config) -> anyhow::Result<QuotaStore> {
     Ok(QuotaStore::new(redis, Keys::new(&config.prefix)))
 }
 
+impl PublishArgs {
+    /// `count` jobs for `tenant` with the command line's defaults.
+    pub fn new(tenant: &str, count: u32) -> Self {
+        Self {
+            tenant: tenant.into(),
+            kind: "default".into(),
+            due_in: None,
+            due_at: None,
+            expires_in: None,
+            count,
+            payload: "{}".into(),
+            id: None,
+            idempotency_key: None,
+            retry_for: Duration::from_secs(60),
+        }
+    }
+}
+
 /// Builds the jobs `tollgate publish` would publish.
 pub fn build_jobs(args: &PublishArgs, now: UnixMillis) -> anyhow::Result<Vec<Job>> {
     let tenant = TenantId::parse(args.tenant.as_str()).context("--tenant")?;
@@ -368,12 +389,12 @@ pub async fn publish_reliably(
     config: &Config,
     jobs: &[Job],
     now: UnixMillis,
+    retry_for: Duration,
 ) -> anyhow::Result<()> {
-    const TRIES: u32 = 6;
+    let deadline = std::time::Instant::now() + retry_for;
     let mut left: Vec<&Job> = jobs.iter().collect();
-    let mut last_error = anyhow::anyhow!("no attempt made");
-    for attempt in 1..=TRIES {
-        match connect_broker(config, "publish").await {
+    for attempt in 1u32.. {
+        let error: anyhow::Error = match connect_broker(config, "publish").await {
             Ok(broker) => {
                 let declared = broker.declare_topology().await;
                 let (failed, error) = match declared {
@@ -381,35 +402,36 @@ pub async fn publish_reliably(
                     Err(e) => (left.clone(), Some(e)),
                 };
                 broker.close().await;
-                match error {
-                    None => return Ok(()),
-                    Some(e) => last_error = e.into(),
-                }
+                let Some(e) = error else { return Ok(()) };
                 left = failed;
+                e.into()
             }
-            Err(e) => last_error = e,
-        }
-        if attempt < TRIES {
-            let wait =
-                Duration::from_millis(250 << attempt).mul_f64(rand::random::<f64>().max(0.2));
-            eprintln!(
-                "tollgate: {} job(s) not confirmed ({last_error:#}); retrying in {} ms",
+            Err(e) => e,
+        };
+        // 0.25 s doubling to 5 s, jittered, for as long as retry_for allows.
+        let ceiling = Duration::from_millis(250 << attempt.min(5)).min(Duration::from_secs(5));
+        let wait = ceiling.mul_f64(rand::random::<f64>().max(0.5));
+        if std::time::Instant::now() + wait > deadline {
+            return Err(error.context(format!(
+                "{} job(s) not confirmed after retrying for {}",
                 left.len(),
-                wait.as_millis()
-            );
-            tokio::time::sleep(wait).await;
+                humantime::format_duration(retry_for)
+            )));
         }
+        eprintln!(
+            "tollgate: {} job(s) not confirmed ({error:#}); retrying in {} ms",
+            left.len(),
+            wait.as_millis()
+        );
+        tokio::time::sleep(wait).await;
     }
-    Err(last_error.context(format!(
-        "{} job(s) not confirmed after {TRIES} tries",
-        left.len()
-    )))
+    unreachable!("the loop returns")
 }
 
 pub async fn publish(config: &Config, args: &PublishArgs) -> anyhow::Result<()> {
     let now = SystemClock.now();
     let jobs = build_jobs(args, now)?;
-    publish_reliably(config, &jobs, now).await?;
+    publish_reliably(config, &jobs, now, args.retry_for).await?;
     match jobs.as_slice() {
         [job] => println!("published job {} for tenant {}", job.id, job.tenant),
         _ => println!("published {} jobs for tenant {}", jobs.len(), args.tenant),

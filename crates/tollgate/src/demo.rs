@@ -238,15 +238,9 @@ async fn publish(
     due_in: Option<Duration>,
 ) -> anyhow::Result<()> {
     let args = PublishArgs {
-        tenant: tenant.into(),
-        kind: "default".into(),
         due_in,
-        due_at: None,
-        expires_in: None,
-        count,
         payload: r#"{"demo":true}"#.into(),
-        id: None,
-        idempotency_key: None,
+        ..PublishArgs::new(tenant, count)
     };
     let now = SystemClock.now();
     let jobs = cli::build_jobs(&args, now)?;

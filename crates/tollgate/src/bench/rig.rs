@@ -74,15 +74,9 @@ impl Rig {
         payload: &str,
     ) -> anyhow::Result<(Vec<Job>, UnixMillis)> {
         let args = PublishArgs {
-            tenant: tenant.into(),
-            kind: "default".into(),
             due_in,
-            due_at: None,
-            expires_in: None,
-            count,
             payload: payload.into(),
-            id: None,
-            idempotency_key: None,
+            ..PublishArgs::new(tenant, count)
         };
         let now = SystemClock.now();
         let jobs = cli::build_jobs(&args, now)?;
