@@ -11,9 +11,11 @@ async fn failures_retry_then_exhaust_rejections_stop_and_429s_wait() {
     let provider = FakeProvider::start(Arc::new(
         |req: &tollgate_tests::Received, earlier: usize| match req.tenant.as_str() {
             "flaky" => Reply::status(500),
+            // Answers too late for the worker's 300 ms timeout (and not 2xx,
+            // so it never counts as a send here either).
             "timeout" => Reply {
                 delay: Duration::from_secs(3),
-                ..Reply::ok()
+                ..Reply::status(503)
             },
             "gone" => Reply::status(408),
             "bad" => Reply::status(422),
@@ -40,7 +42,12 @@ async fn failures_retry_then_exhaust_rejections_stop_and_429s_wait() {
     wait_for(
         "the throttled job to be sent",
         Duration::from_secs(30),
-        || async { provider.accepted() >= 1 },
+        || async {
+            provider
+                .received()
+                .iter()
+                .any(|r| r.tenant == "busy" && r.status == 200)
+        },
     )
     .await;
 
