@@ -271,12 +271,12 @@ async fn a_429_slows_every_worker_and_loses_nothing() {
         .expect("the provider throttled once");
     let received = provider.received();
     // Permits already granted when the 429 came may still go out (they were
-    // reserved at most 250 ms ahead); after that, no worker sends until
-    // Retry-After has passed.
+    // reserved at most 250 ms ahead, plus scheduling lateness on a loaded
+    // machine); after that, no worker sends until Retry-After has passed.
     let during: Vec<&Received> = received
         .iter()
         .filter(|r| {
-            r.instant > storm + Duration::from_millis(300)
+            r.instant > storm + Duration::from_millis(500)
                 && r.instant < storm + Duration::from_millis(1_900)
         })
         .collect();
