@@ -53,6 +53,53 @@ pub enum AmqpError {
     },
     #[error("RabbitMQ channel: {0}")]
     Channel(#[from] lapin::Error),
+    #[error(
+        "RabbitMQ did not answer {0} within {REPLY_TIMEOUT:?}: treating the connection as lost"
+    )]
+    Timeout(&'static str),
+    #[error("the channel can no longer {0} this delivery: the broker redelivers it")]
+    Unsettleable(&'static str),
+}
+
+/// How long any one exchange with the broker (connect, publish + confirm,
+/// ack) may take. lapin can leave such a future pending forever when the
+/// connection dies under it (amqp-rs/lapin#409, #470); past this bound the
+/// operation counts as failed, so a delivery is handed back instead of
+/// holding a worker (and its shutdown) hostage. A publish that timed out
+/// may still have landed: the copy is then a duplicate, which the
+/// idempotency record turns into `duplicate`, never a second send.
+pub const REPLY_TIMEOUT: Duration = Duration::from_secs(10);
+
+async fn bounded<T>(
+    what: &'static str,
+    op: impl std::future::Future<Output = Result<T, AmqpError>>,
+) -> Result<T, AmqpError> {
+    tokio::time::timeout(REPLY_TIMEOUT, op)
+        .await
+        .map_err(|_| AmqpError::Timeout(what))?
+}
+
+/// Acks `delivery`, bounded by [`REPLY_TIMEOUT`].
+pub async fn ack(delivery: &Delivery) -> Result<(), AmqpError> {
+    let acked = bounded("an ack", async {
+        Ok(delivery.acker.ack(Default::default()).await?)
+    })
+    .await?;
+    acked.then_some(()).ok_or(AmqpError::Unsettleable("ack"))
+}
+
+/// Hands `delivery` back to its queue (a nack with requeue; its delivery
+/// count rises), bounded by [`REPLY_TIMEOUT`]. If the channel is gone the
+/// broker requeues it anyway.
+pub async fn requeue(acker: &lapin::Acker) -> Result<(), AmqpError> {
+    let options = BasicNackOptions {
+        requeue: true,
+        ..Default::default()
+    };
+    let nacked = bounded("a nack", async { Ok(acker.nack(options).await?) }).await?;
+    nacked
+        .then_some(())
+        .ok_or(AmqpError::Unsettleable("requeue"))
 }
 
 impl AmqpError {
@@ -91,18 +138,21 @@ impl Broker {
             source,
         };
         let runtime = lapin::runtime::default_runtime().map_err(err)?;
-        let conn = Connection::connect_with_config(url, props, tls, runtime)
-            .await
-            .map_err(err)?;
-        let publisher = conn.create_channel().await?;
-        publisher
-            .confirm_select(ConfirmSelectOptions::default())
-            .await?;
-        Ok(Self {
-            conn,
-            topology,
-            publisher,
+        bounded("the connection handshake", async {
+            let conn = Connection::connect_with_config(url, props, tls, runtime)
+                .await
+                .map_err(err)?;
+            let publisher = conn.create_channel().await?;
+            publisher
+                .confirm_select(ConfirmSelectOptions::default())
+                .await?;
+            Ok(Self {
+                conn,
+                topology,
+                publisher,
+            })
         })
+        .await
     }
 
     pub fn topology(&self) -> &Topology {
@@ -146,19 +196,21 @@ impl Broker {
             exchange: exchange.to_owned(),
             source,
         };
-        let confirm = self
-            .publisher
-            .basic_publish(
-                exchange.into(),
-                routing_key.into(),
-                options,
-                body,
-                properties,
-            )
-            .await
-            .map_err(err)?
-            .await
-            .map_err(err)?;
+        let confirm = bounded("a publish confirm", async {
+            self.publisher
+                .basic_publish(
+                    exchange.into(),
+                    routing_key.into(),
+                    options,
+                    body,
+                    properties,
+                )
+                .await
+                .map_err(err)?
+                .await
+                .map_err(err)
+        })
+        .await?;
         match confirm {
             Confirmation::Ack(None) => Ok(()),
             Confirmation::Ack(Some(_)) => Err(AmqpError::Unroutable {
@@ -388,7 +440,10 @@ impl Broker {
     }
 
     pub async fn close(&self) {
-        let _ = self.conn.close(200, "bye".into()).await;
+        let _ = bounded("a connection close", async {
+            Ok(self.conn.close(200, "bye".into()).await?)
+        })
+        .await;
     }
 }
 
@@ -409,17 +464,23 @@ pub struct ConsumerControl {
 impl ConsumerControl {
     /// Stops new deliveries; deliveries in hand can still be acked.
     pub async fn cancel(&self) -> Result<(), AmqpError> {
-        for tag in &self.tags {
-            self.channel
-                .basic_cancel(tag.clone(), BasicCancelOptions::default())
-                .await?;
-        }
-        Ok(())
+        bounded("a consumer cancel", async {
+            for tag in &self.tags {
+                self.channel
+                    .basic_cancel(tag.clone(), BasicCancelOptions::default())
+                    .await?;
+            }
+            Ok(())
+        })
+        .await
     }
 
     /// Closes the channel; anything still unacked returns to its queue.
     pub async fn close(&self) {
-        let _ = self.channel.close(200, "consumer done".into()).await;
+        let _ = bounded("a channel close", async {
+            Ok(self.channel.close(200, "consumer done".into()).await?)
+        })
+        .await;
     }
 }
 

@@ -22,7 +22,6 @@ use tokio::sync::watch;
 use tokio::task::JoinSet;
 use tollgate_amqp::headers;
 use tollgate_amqp::lapin::message::Delivery;
-use tollgate_amqp::lapin::options::{BasicAckOptions, BasicNackOptions};
 use tollgate_amqp::{Broker, ConsumerControl, Topology};
 use tollgate_core::job::{Limits, decode};
 use tollgate_core::outcome::classify;
@@ -355,11 +354,9 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
             Err(_) => "processing overran delivery_timeout_ms",
         };
         error!(failure, "handing the delivery back to its queue");
-        let requeue = BasicNackOptions {
-            requeue: true,
-            ..Default::default()
-        };
-        let _ = acker.nack(requeue).await;
+        if let Err(e) = tollgate_amqp::requeue(&acker).await {
+            warn!(error = %e, "requeue failed: the broker requeues it when the channel closes");
+        }
         Settled::Requeued
     }
 
@@ -369,18 +366,16 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
         let _in_flight = InFlight::new(&self.metrics);
         match self.handle(broker, &delivery).await {
             Ok(settled) => {
-                if let Err(e) = delivery.acker.ack(BasicAckOptions::default()).await {
+                if let Err(e) = tollgate_amqp::ack(&delivery).await {
                     warn!(error = %e, "ack failed: the broker will redeliver, idempotency stops a double send");
                 }
                 settled
             }
             Err(e) => {
                 error!(error = %e, "could not publish a parked or dead-lettered copy; requeueing");
-                let requeue = BasicNackOptions {
-                    requeue: true,
-                    ..Default::default()
-                };
-                let _ = delivery.acker.nack(requeue).await;
+                if let Err(e) = tollgate_amqp::requeue(&delivery.acker).await {
+                    warn!(error = %e, "requeue failed: the broker requeues it when the channel closes");
+                }
                 Settled::Requeued
             }
         }
