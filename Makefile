@@ -4,7 +4,7 @@
 
 CARGO ?= cargo
 
-.PHONY: all build fmt lint test demo bench services fuzz clean
+.PHONY: all build fmt lint test demo bench services fuzz clean release ops-check
 
 all: build
 
@@ -52,7 +52,6 @@ fuzz:
 clean:
 	$(CARGO) clean
 
-.PHONY: release ops-check
 
 # The release binary, exactly as deploy/docker/Dockerfile builds it.
 release:
