@@ -116,11 +116,13 @@ async fn redis_down_means_no_call_then_everything_once_it_returns() {
     })
     .await;
     let received = provider.received();
-    // Calls already permitted when Redis died (reserved at most 250 ms ahead,
-    // answered at once) may finish; after that, none until it is back.
+    // Calls already permitted when Redis died (reserved at most one permit
+    // horizon ahead, answered at once) may finish; after that, none until it
+    // is back.
+    let settled = down + env.horizon() + Duration::from_millis(250);
     let while_down: Vec<&Received> = received
         .iter()
-        .filter(|r| r.instant > down + Duration::from_millis(500) && r.instant < up)
+        .filter(|r| r.instant > settled && r.instant < up)
         .collect();
     assert!(
         while_down.is_empty(),

@@ -96,12 +96,13 @@ async fn lowering_and_raising_a_quota_apply_at_once() {
     tokio::time::sleep(Duration::from_secs(7)).await;
 
     let received = provider.received();
-    // Once the change is visible (reservations reach at most 250 ms ahead),
-    // no second holds more than the new rate + 1.
+    // Once the change is visible (sends already reserved go out within the
+    // permit horizon), no second holds more than the new rate + 1.
+    let settled = lowered + env.horizon() + Duration::from_millis(50);
     let after_lowering: Vec<Instant> = received
         .iter()
         .map(|r| r.instant)
-        .filter(|&t| t >= lowered + Duration::from_millis(300) && t < raised)
+        .filter(|&t| t >= settled && t < raised)
         .collect();
     let worst = max_in_window(&after_lowering, Duration::from_secs(1));
     assert!(
@@ -271,14 +272,13 @@ async fn a_429_slows_every_worker_and_loses_nothing() {
         .expect("the provider throttled once");
     let received = provider.received();
     // Permits already granted when the 429 came may still go out (they were
-    // reserved at most 250 ms ahead, plus scheduling lateness on a loaded
-    // machine); after that, no worker sends until Retry-After has passed.
+    // reserved at most one permit horizon ahead, plus scheduling lateness on
+    // a loaded machine); after that, no worker sends until Retry-After has
+    // passed.
+    let settled = storm + env.horizon() + Duration::from_millis(250);
     let during: Vec<&Received> = received
         .iter()
-        .filter(|r| {
-            r.instant > storm + Duration::from_millis(500)
-                && r.instant < storm + Duration::from_millis(1_900)
-        })
+        .filter(|r| r.instant > settled && r.instant < storm + Duration::from_millis(1_900))
         .collect();
     assert!(
         during.is_empty(),

@@ -97,6 +97,13 @@ impl TestEnv {
         }
     }
 
+    /// How far ahead a permit may be reserved: sends already reserved when
+    /// something changes (a quota, a 429, Redis gone) may still go out
+    /// within it.
+    pub fn horizon(&self) -> Duration {
+        Duration::from_millis(self.config.permit_horizon_ms)
+    }
+
     pub fn tenant(name: &str) -> TenantId {
         TenantId::parse(name).expect("valid tenant")
     }

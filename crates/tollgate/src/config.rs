@@ -208,7 +208,7 @@ impl Default for Config {
             backoff_base_ms: 1_000,
             backoff_max_ms: 300_000,
             hold_max_ms: 1_000,
-            permit_horizon_ms: 250,
+            permit_horizon_ms: 500,
             tenant_hold_max: 8,
             pacing_margin_pct: 2.0,
             pause_recheck_ms: 5_000,
