@@ -34,12 +34,19 @@ pub(super) fn lags_ms(
         .collect()
 }
 
-/// Publishes one quiet job every 0.5 s for `seconds`; returns (id, publish time).
-async fn quiet_traffic(rig: &Rig, seconds: u64) -> anyhow::Result<Vec<(String, UnixMillis)>> {
-    let mut quiet = Vec::new();
+/// Publishes one job for each of `tenants` every 0.5 s for `seconds`;
+/// returns, per tenant, (id, publish time).
+async fn quiet_traffic(
+    rig: &Rig,
+    tenants: &[&str],
+    seconds: u64,
+) -> anyhow::Result<Vec<Vec<(String, UnixMillis)>>> {
+    let mut quiet = vec![Vec::new(); tenants.len()];
     for _ in 0..seconds * 2 {
-        let (jobs, at) = rig.publish("quiet", 1, None, "{}").await?;
-        quiet.extend(jobs.into_iter().map(|j| (j.id.to_string(), at)));
+        for (tenant, sent) in tenants.iter().zip(&mut quiet) {
+            let (jobs, at) = rig.publish(tenant, 1, None, "{}").await?;
+            sent.extend(jobs.into_iter().map(|j| (j.id.to_string(), at)));
+        }
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
     Ok(quiet)
@@ -51,13 +58,20 @@ async fn noisy_neighbour(base: &Config) -> anyhow::Result<Scenario> {
         "noisy neighbour: 3000 jobs at 10/s against one job every 0.5 s at 100/s, two workers",
     );
     let mut rig = Rig::new(base, always_ok()).await?;
+    // One quiet tenant on another work queue than the noisy one, and one on
+    // the same queue, where it waits behind the noisy backlog's first pass.
+    let noisy_shard = rig.shard_of("noisy").await?;
+    let apart = rig.tenant_where("quiet", |s| s != noisy_shard).await?;
+    let beside = rig.tenant_where("beside", |s| s == noisy_shard).await?;
     rig.set_quota("noisy", "10/s", 1).await?;
-    rig.set_quota("quiet", "100/s", 1).await?;
+    for quiet in [&apart, &beside] {
+        rig.set_quota(quiet, "100/s", 1).await?;
+    }
     let metrics = Metrics::new(50, &[]);
     rig.spawn_inprocess(&metrics).await?;
     rig.spawn_inprocess(&metrics).await?;
     rig.publish("noisy", 3000, None, "{}").await?;
-    let quiet = quiet_traffic(&rig, SECONDS).await?;
+    let quiet = quiet_traffic(&rig, &[&apart, &beside], SECONDS).await?;
     rig.until_accepted(1, Duration::from_secs(5)).await?;
     tokio::time::sleep(Duration::from_secs(1)).await;
     let received = rig.provider.received();
@@ -66,8 +80,9 @@ async fn noisy_neighbour(base: &Config) -> anyhow::Result<Scenario> {
         .filter(|r| r.tenant == "noisy")
         .map(|r| r.instant)
         .collect();
-    let lags = lags_ms(&received, &quiet);
-    let lost = quiet.len() - lags.len();
+    let lags = lags_ms(&received, &quiet[0]);
+    let beside_lags = lags_ms(&received, &quiet[1]);
+    let lost = quiet.iter().map(Vec::len).sum::<usize>() - lags.len() - beside_lags.len();
     rig.cleanup().await?;
 
     progress(
@@ -80,8 +95,8 @@ async fn noisy_neighbour(base: &Config) -> anyhow::Result<Scenario> {
     rig.spawn_inprocess(&metrics).await?;
     rig.spawn_inprocess(&metrics).await?;
     rig.publish("noisy", 600, None, "{}").await?;
-    let quiet_during = quiet_traffic(&rig, 30).await?;
-    rig.until_accepted(600 + quiet_during.len(), Duration::from_secs(60))
+    let quiet_during = quiet_traffic(&rig, &["quiet"], 30).await?;
+    rig.until_accepted(600 + quiet_during[0].len(), Duration::from_secs(60))
         .await?;
     let parks = metrics.counter_sum("tollgate_parked_total", &[("tenant", "noisy")]);
     let hops: f64 = metrics.counter_sum("tollgate_tier_publishes_total", &[]);
@@ -97,8 +112,11 @@ async fn noisy_neighbour(base: &Config) -> anyhow::Result<Scenario> {
         parameters: json!({
             "workers": 2, "shards": base.shards,
             "noisy": "3000 jobs published at once, quota 10/s burst 1",
-            "quiet": format!("one job every 0.5 s for {SECONDS} s, quota 100/s"),
-            "parks_run": "noisy 600 jobs at 20/s drained to the end, quiet as above",
+            "quiet": format!(
+                "two tenants, one job each every 0.5 s for {SECONDS} s, quota 100/s: \
+                 {apart} on another work queue than the noisy tenant, {beside} on the same one"
+            ),
+            "parks_run": "noisy 600 jobs at 20/s drained to the end, beside one quiet tenant (one job every 0.5 s, 100/s)",
         }),
         figures: vec![
             Figure::new(
@@ -116,6 +134,22 @@ async fn noisy_neighbour(base: &Config) -> anyhow::Result<Scenario> {
                 "quiet tenant due lag max",
                 "ms",
                 vec![percentile(&lags, 1.0)],
+            ),
+            Figure::new(
+                "same-queue quiet tenant due lag p50",
+                "ms",
+                vec![percentile(&beside_lags, 0.5)],
+            ),
+            Figure::new(
+                "same-queue quiet tenant due lag p99",
+                "ms",
+                vec![percentile(&beside_lags, 0.99)],
+            )
+            .target("< 1000"),
+            Figure::new(
+                "same-queue quiet tenant due lag max",
+                "ms",
+                vec![percentile(&beside_lags, 1.0)],
             ),
             Figure::new("quiet jobs not sent by the end", "jobs", vec![lost as f64]).target("0"),
             Figure::new(

@@ -84,6 +84,35 @@ impl Rig {
         Ok((jobs, now))
     }
 
+    /// The work queue (shard) a tenant's jobs land in: one probe job is
+    /// published and found, then purged. Only before any worker consumes.
+    pub async fn shard_of(&self, tenant: &str) -> anyhow::Result<usize> {
+        self.publish(tenant, 1, None, "{}").await?;
+        let queues = self.broker.topology().work_queues();
+        for (shard, queue) in queues.iter().enumerate() {
+            if self.broker.queue_depth(queue).await? > 0 {
+                self.broker.purge(queue).await?;
+                return Ok(shard);
+            }
+        }
+        anyhow::bail!("the probe job for {tenant} reached no work queue")
+    }
+
+    /// The first of `{stem}-1`, `{stem}-2`, … whose shard `wanted` accepts.
+    pub async fn tenant_where(
+        &self,
+        stem: &str,
+        wanted: impl Fn(usize) -> bool,
+    ) -> anyhow::Result<String> {
+        for i in 1..=64 {
+            let tenant = format!("{stem}-{i}");
+            if wanted(self.shard_of(&tenant).await?) {
+                return Ok(tenant);
+            }
+        }
+        anyhow::bail!("no tenant named {stem}-1..64 lands on a wanted shard")
+    }
+
     /// Starts `tollgate worker` (this very binary) as a separate process.
     pub async fn spawn_process(&mut self, extra: &[(&str, &str)]) -> anyhow::Result<Process> {
         let http_port = std::net::TcpListener::bind("127.0.0.1:0")?
