@@ -16,7 +16,7 @@ use tollgate_amqp::{Broker, job_properties};
 use tollgate_core::{Job, Quota, TenantId, UnixMillis};
 use tollgate_quota::{Actor, Change, QuotaStore, Target};
 
-pub use tollgate::fake_provider::{self, FakeProvider, Received, Reply};
+pub use tollgate::fake_provider::{self, FakeProvider, Received, Reply, max_in_window};
 
 pub fn init_logs() {
     if std::env::var_os("TEST_LOG").is_some() {
@@ -300,20 +300,6 @@ pub fn free_port() -> u16 {
         .and_then(|l| l.local_addr())
         .map(|a| a.port())
         .expect("a free port")
-}
-
-/// Most requests in any window of `width`, sliding over every request.
-pub fn max_in_window(times: &[std::time::Instant], width: Duration) -> usize {
-    let mut times = times.to_vec();
-    times.sort();
-    let (mut best, mut start) = (0, 0);
-    for end in 0..times.len() {
-        while times[end].duration_since(times[start]) >= width {
-            start += 1;
-        }
-        best = best.max(end - start + 1);
-    }
-    best
 }
 
 /// A `tollgate worker` process on this env's prefix; killed on drop.

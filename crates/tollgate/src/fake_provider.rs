@@ -198,3 +198,17 @@ async fn handle(State(shared): State<Arc<Shared>>, headers: HeaderMap, body: Byt
         None => status.into_response(),
     }
 }
+
+/// Most requests in any window of `width`, sliding over every request.
+pub fn max_in_window(times: &[Instant], width: Duration) -> usize {
+    let mut times = times.to_vec();
+    times.sort();
+    let (mut best, mut start) = (0, 0);
+    for end in 0..times.len() {
+        while times[end].duration_since(times[start]) >= width {
+            start += 1;
+        }
+        best = best.max(end - start + 1);
+    }
+    best
+}

@@ -6,10 +6,10 @@ use std::time::{Duration, Instant};
 use serde_json::json;
 use tollgate_core::UnixMillis;
 
-use super::rig::{Rig, max_in_window};
+use super::rig::Rig;
 use super::{Figure, Scenario, percentile, progress};
 use crate::config::Config;
-use crate::fake_provider::always_ok;
+use crate::fake_provider::{always_ok, max_in_window};
 use crate::metrics::Metrics;
 
 pub async fn run(base: &Config) -> anyhow::Result<Vec<Scenario>> {

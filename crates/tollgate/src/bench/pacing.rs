@@ -5,10 +5,10 @@ use std::time::{Duration, Instant};
 
 use serde_json::json;
 
-use super::rig::{Rig, max_in_window};
+use super::rig::Rig;
 use super::{Figure, Scenario, progress};
 use crate::config::Config;
-use crate::fake_provider::{Received, always_ok, strict_limits};
+use crate::fake_provider::{Received, always_ok, max_in_window, strict_limits};
 
 pub async fn run(base: &Config) -> anyhow::Result<Vec<Scenario>> {
     Ok(vec![adherence(base).await?, live_change(base).await?])
@@ -47,9 +47,6 @@ async fn adherence(base: &Config) -> anyhow::Result<Scenario> {
         .await?;
     let received = rig.provider.received();
     rig.cleanup().await?;
-    let all: Vec<&Received> = received.iter().collect();
-    let times: Vec<Instant> = all.iter().map(|r| r.instant).collect();
-    let over = all.iter().filter(|r| r.status == 429).count();
     Ok(Scenario {
         key: "adherence",
         title: "Quota adherence: 8 worker processes share one tenant quota",
@@ -57,27 +54,26 @@ async fn adherence(base: &Config) -> anyhow::Result<Scenario> {
             "worker_processes": PROCESSES, "quota": "20/s burst 1", "backlog": JOBS,
             "provider": "strict: 429 beyond 20 accepted in any sliding second",
         }),
-        figures: vec![
-            Figure::new(
-                "max requests in any 1 s window",
-                "requests",
-                vec![max_in_window(&times, Duration::from_secs(1)) as f64],
-            )
-            .target("<= 20"),
-            Figure::new(
-                "over-quota requests (429 from the strict provider)",
-                "requests",
-                vec![over as f64],
-            )
-            .target("0"),
-            Figure::new(
-                "utilization of the quota while the backlog lasts",
-                "fraction",
-                vec![utilization(&all, 20.0)],
-            )
-            .target(">= 0.97"),
-        ],
+        figures: adherence_figures(&received),
     })
+}
+
+pub(super) const MAX_IN_1S: &str = "max requests in any 1 s window";
+pub(super) const OVER_QUOTA: &str = "over-quota requests (429 from the strict provider)";
+pub(super) const UTILIZATION: &str = "utilization of the quota while the backlog lasts";
+
+/// What the strict provider saw of a fleet sharing one 20/s quota: the
+/// busiest second, the 429s, and how much of the quota was used.
+pub(super) fn adherence_figures(received: &[Received]) -> Vec<Figure> {
+    let all: Vec<&Received> = received.iter().collect();
+    let times: Vec<Instant> = all.iter().map(|r| r.instant).collect();
+    let over = all.iter().filter(|r| r.status == 429).count();
+    let busiest = max_in_window(&times, Duration::from_secs(1));
+    vec![
+        Figure::new(MAX_IN_1S, "requests", vec![busiest as f64]).target("<= 20"),
+        Figure::new(OVER_QUOTA, "requests", vec![over as f64]).target("0"),
+        Figure::new(UTILIZATION, "fraction", vec![utilization(&all, 20.0)]).target(">= 0.97"),
+    ]
 }
 
 /// Seconds from `changed` until consecutive sends are spaced at the new

@@ -29,11 +29,13 @@ use tollgate_core::UnixMillis;
 use tollgate_quota::Redis;
 
 use super::fairness::{due_offsets, lags_ms};
-use super::pacing::utilization;
-use super::rig::{self, max_in_window};
+use super::pacing::{self, MAX_IN_1S, OVER_QUOTA, UTILIZATION};
+use super::rig;
 use super::{BenchArgs, Compared, Figure, Scenario, percentile, progress};
 use crate::config::Config;
-use crate::fake_provider::{Behavior, FakeProvider, Received, always_ok, strict_limits};
+use crate::fake_provider::{
+    Behavior, FakeProvider, Received, always_ok, max_in_window, strict_limits,
+};
 
 const REQUIREMENTS: &str = include_str!("../../bench-peer/requirements.txt");
 const MODULE: &str = include_str!("../../bench-peer/dramatiq_peer.py");
@@ -77,9 +79,6 @@ const COMPARED: &[(&str, &str, &str, &str)] = &[
 ];
 // Figure names shared with tollgate's scenarios.
 const JOBS_PER_CPU: &str = "jobs per CPU-second of the worker";
-const MAX_IN_1S: &str = "max requests in any 1 s window";
-const OVER_QUOTA: &str = "over-quota requests (429 from the strict provider)";
-const UTILIZATION: &str = "utilization of the quota while the backlog lasts";
 const QUIET_P50: &str = "quiet tenant due lag p50";
 const QUIET_P99: &str = "quiet tenant due lag p99";
 const QUIET_MAX: &str = "quiet tenant due lag max";
@@ -597,24 +596,9 @@ fn tree_cpu_seconds(root: u32) -> anyhow::Result<f64> {
     Ok(total)
 }
 
-/// Commands Redis has executed, from `INFO commandstats` (less `INFO`).
+/// Commands Redis has executed, less the `INFO` calls that count them.
 async fn redis_commands(redis: &Redis) -> anyhow::Result<u64> {
-    let mut conn = redis.conn().await?;
-    let info: String = tollgate_quota::redis_cmd("INFO")
-        .arg("commandstats")
-        .query_async(&mut conn)
-        .await?;
-    Ok(info
-        .lines()
-        .filter_map(|line| line.strip_prefix("cmdstat_")?.split_once(':'))
-        .filter(|(name, _)| *name != "info")
-        .filter_map(|(_, rest)| {
-            rest.split(',')
-                .find_map(|kv| kv.strip_prefix("calls="))?
-                .parse::<u64>()
-                .ok()
-        })
-        .sum())
+    super::throughput::redis_calls(redis, |name| name != "info").await
 }
 
 /// The instants of the accepted requests, in order.
@@ -744,9 +728,6 @@ async fn adherence(peer: &Peer, base: &Config) -> anyhow::Result<Scenario> {
         .await?;
     let received = rig.provider.received();
     rig.cleanup().await?;
-    let all: Vec<&Received> = received.iter().collect();
-    let times: Vec<Instant> = all.iter().map(|r| r.instant).collect();
-    let over = all.iter().filter(|r| r.status == 429).count();
     Ok(Scenario {
         key: "peer_adherence",
         title: "Peer: Dramatiq quota adherence, 8 worker processes share one tenant quota",
@@ -755,16 +736,7 @@ async fn adherence(peer: &Peer, base: &Config) -> anyhow::Result<Scenario> {
             "provider": "strict: 429 beyond 20 accepted in any sliding second",
             "setup": setup(peer, Limiter::Window, PROCESSES),
         }),
-        figures: vec![
-            Figure::new(
-                MAX_IN_1S,
-                "requests",
-                vec![max_in_window(&times, Duration::from_secs(1)) as f64],
-            )
-            .target("<= 20"),
-            Figure::new(OVER_QUOTA, "requests", vec![over as f64]).target("0"),
-            Figure::new(UTILIZATION, "fraction", vec![utilization(&all, 20.0)]).target(">= 0.97"),
-        ],
+        figures: pacing::adherence_figures(&received),
     })
 }
 

@@ -150,11 +150,9 @@ async fn bare_consume_ack(base: &Config, n: u32) -> anyhow::Result<f64> {
     Ok(f64::from(n) / elapsed.as_secs_f64())
 }
 
-/// Redis round trips of tollgate's hot path, from `INFO commandstats`:
-/// `EVALSHA` (with its `EVAL` / `SCRIPT LOAD` fallback) and `PING`. Redis
-/// also counts the commands a script runs inside itself (`GET`, `SET`, …),
-/// so those must not be summed. The bench is Redis's only client.
-pub async fn client_round_trips(redis: &Redis) -> anyhow::Result<u64> {
+/// Calls Redis has executed so far of each command whose name `counted`
+/// accepts, summed, from `INFO commandstats`.
+pub async fn redis_calls(redis: &Redis, counted: impl Fn(&str) -> bool) -> anyhow::Result<u64> {
     let mut conn = redis.conn().await?;
     let info: String = tollgate_quota::redis_cmd("INFO")
         .arg("commandstats")
@@ -163,7 +161,7 @@ pub async fn client_round_trips(redis: &Redis) -> anyhow::Result<u64> {
     Ok(info
         .lines()
         .filter_map(|line| line.strip_prefix("cmdstat_")?.split_once(':'))
-        .filter(|(name, _)| matches!(*name, "evalsha" | "eval" | "script|load" | "ping"))
+        .filter(|(name, _)| counted(name))
         .filter_map(|(_, rest)| {
             rest.split(',')
                 .find_map(|kv| kv.strip_prefix("calls="))?
@@ -171,6 +169,17 @@ pub async fn client_round_trips(redis: &Redis) -> anyhow::Result<u64> {
                 .ok()
         })
         .sum())
+}
+
+/// Redis round trips of tollgate's hot path: `EVALSHA` (with its `EVAL` /
+/// `SCRIPT LOAD` fallback) and `PING`. Redis also counts the commands a
+/// script runs inside itself (`GET`, `SET`, …), so those must not be
+/// summed. The bench is Redis's only client.
+pub async fn client_round_trips(redis: &Redis) -> anyhow::Result<u64> {
+    redis_calls(redis, |name| {
+        matches!(name, "evalsha" | "eval" | "script|load" | "ping")
+    })
+    .await
 }
 
 struct ThroughputRun {
