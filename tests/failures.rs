@@ -13,17 +13,10 @@ async fn failures_retry_then_exhaust_rejections_stop_and_429s_wait() {
             "flaky" => Reply::status(500),
             // Answers too late for the worker's 300 ms timeout (and not 2xx,
             // so it never counts as a send here either).
-            "timeout" => Reply {
-                delay: Duration::from_secs(3),
-                ..Reply::status(503)
-            },
+            "timeout" => Reply::status(503).after(Duration::from_secs(3)),
             "gone" => Reply::status(408),
             "bad" => Reply::status(422),
-            "busy" if earlier == 0 => Reply {
-                status: 429,
-                retry_after: Some("1".into()),
-                delay: Duration::ZERO,
-            },
+            "busy" if earlier == 0 => Reply::throttled("1"),
             _ => Reply::ok(),
         },
     ))
@@ -112,6 +105,80 @@ async fn failures_retry_then_exhaust_rejections_stop_and_429s_wait() {
         env.pending().await == 0
     })
     .await;
+    worker.stop().await.unwrap();
+    env.cleanup().await;
+}
+
+/// A redirect is an answer, not an instruction: following a 302 would turn
+/// the POST into a GET and lose the payload; following a 307/308 would
+/// re-post the payload and its `Idempotency-Key` to whatever host the
+/// provider names. Both are dead-lettered as `rejected`, with the status
+/// and the `Location` in the detail.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redirect_is_rejected_and_never_followed() {
+    let elsewhere = FakeProvider::start(tollgate_tests::fake_provider::always_ok())
+        .await
+        .unwrap();
+    let other_host = elsewhere.url();
+    let provider =
+        FakeProvider::start(Arc::new(move |req: &tollgate_tests::Received, _| match req
+            .tenant
+            .as_str()
+        {
+            "moved" => Reply::redirect(302, "/elsewhere"),
+            "moved-away" => Reply::redirect(307, &other_host),
+            _ => Reply::redirect(308, &other_host),
+        }))
+        .await
+        .unwrap();
+    let env = TestEnv::new(&provider.url()).await;
+    let worker = env.spawn_worker().await;
+    for tenant in ["moved", "moved-away", "moved-for-good"] {
+        env.publish(tenant, 3, |a| a.payload = r#"{"to":"x"}"#.into())
+            .await;
+    }
+
+    wait_for("nine dead letters", Duration::from_secs(30), || async {
+        env.dead_letters().await.len() >= 9
+    })
+    .await;
+    let letters = env.dead_letters().await;
+    assert_eq!(letters.len(), 9);
+    for letter in &letters {
+        assert_eq!(letter.reason, "rejected", "{letter:?}");
+        let (status, location) = match letter.tenant.as_str() {
+            "moved" => ("302", "/elsewhere".to_owned()),
+            "moved-away" => ("307", elsewhere.url()),
+            _ => ("308", elsewhere.url()),
+        };
+        assert!(
+            letter.detail.contains(status)
+                && letter.detail.contains(&format!("Location: {location}")),
+            "the detail names the status and Location: {letter:?}"
+        );
+    }
+    let received = provider.received();
+    assert_eq!(received.len(), 9, "each job called the provider once");
+    assert!(
+        received
+            .iter()
+            .all(|r| r.method == "POST" && r.path == "/send"),
+        "no redirect followed on the provider's host: {:?}",
+        received
+            .iter()
+            .map(|r| format!("{} {}", r.method, r.path))
+            .collect::<Vec<_>>()
+    );
+    assert!(
+        elsewhere.received().is_empty(),
+        "nothing (no payload, no Idempotency-Key) reached the host a redirect named"
+    );
+    let m = &worker.metrics;
+    assert_eq!(
+        m.counter_sum("tollgate_jobs_completed_total", &[("outcome", "sent")]),
+        0.0,
+        "a redirect is never a send"
+    );
     worker.stop().await.unwrap();
     env.cleanup().await;
 }

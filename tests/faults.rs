@@ -150,11 +150,7 @@ fn chaos(r: &Received, _: usize) -> Reply {
     }
     match h % 100 {
         0..30 => Reply::status(500),
-        30..35 => Reply {
-            status: 503,
-            retry_after: None,
-            delay: Duration::from_secs(2),
-        },
+        30..35 => Reply::status(503).after(Duration::from_secs(2)),
         _ => Reply::ok(),
     }
 }

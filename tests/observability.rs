@@ -75,11 +75,7 @@ async fn labels_are_pinned_and_payloads_never_leak() {
     // Every outcome: sent, throttled once, failed then exhausted, rejected.
     let provider = FakeProvider::start(Arc::new(|r: &Received, earlier: usize| {
         match r.tenant.as_str() {
-            "busy" if earlier == 0 => Reply {
-                status: 429,
-                retry_after: Some("1".into()),
-                delay: Duration::ZERO,
-            },
+            "busy" if earlier == 0 => Reply::throttled("1"),
             "broken" => Reply::status(503),
             "picky" => Reply::status(400),
             _ => Reply::ok(),

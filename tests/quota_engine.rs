@@ -243,11 +243,7 @@ async fn a_429_slows_every_worker_and_loses_nothing() {
     let provider = FakeProvider::start(Arc::new(move |r: &Received, _| {
         if count.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 9 {
             *storm.lock().unwrap() = Some(r.instant);
-            return Reply {
-                status: 429,
-                retry_after: Some("2".into()),
-                delay: Duration::ZERO,
-            };
+            return Reply::throttled("2");
         }
         Reply::ok()
     }))
@@ -309,9 +305,8 @@ async fn a_429_slows_every_worker_and_loses_nothing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrency_limits_in_flight_calls_across_the_fleet() {
-    let provider = FakeProvider::start(Arc::new(|_: &Received, _| Reply {
-        delay: Duration::from_millis(300),
-        ..Reply::ok()
+    let provider = FakeProvider::start(Arc::new(|_: &Received, _| {
+        Reply::ok().after(Duration::from_millis(300))
     }))
     .await
     .unwrap();

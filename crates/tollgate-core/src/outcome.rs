@@ -85,7 +85,7 @@ impl ParkReason {
 }
 
 /// What one provider call amounted to.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum ProviderOutcome {
     /// 2xx.
     Sent,
@@ -93,13 +93,20 @@ pub enum ProviderOutcome {
     Throttled { retry_after: Option<Duration> },
     /// 408, 5xx, timeout or connection error: retried with backoff.
     Failed,
-    /// Any other 4xx (and anything else unexpected): not retried.
-    Rejected { status: u16 },
+    /// A redirect (3xx), any other 4xx, and anything else unexpected: not
+    /// retried. A redirect is never followed: it would turn the POST into a
+    /// GET (losing the payload) or re-post the payload and its
+    /// `Idempotency-Key` to whatever host the provider names.
+    Rejected {
+        status: u16,
+        /// The `Location` a redirect named, for the dead letter's detail.
+        location: Option<String>,
+    },
 }
 
 impl ProviderOutcome {
     /// Label value for `tollgate_provider_requests_total{outcome}`.
-    pub fn as_str(self) -> &'static str {
+    pub fn as_str(&self) -> &'static str {
         match self {
             Self::Sent => "sent",
             Self::Throttled { .. } => "throttled",
@@ -115,6 +122,8 @@ pub enum ProviderResponse {
     Status {
         status: u16,
         retry_after: Option<String>,
+        /// The `Location` header, kept for redirects.
+        location: Option<String>,
     },
     /// No answer within the provider timeout.
     Timeout,
@@ -133,6 +142,7 @@ pub fn classify(response: &ProviderResponse, now: UnixMillis) -> ProviderOutcome
         ProviderResponse::Status {
             status,
             retry_after,
+            location,
         } => match *status {
             200..=299 => ProviderOutcome::Sent,
             429 => ProviderOutcome::Throttled {
@@ -141,9 +151,22 @@ pub fn classify(response: &ProviderResponse, now: UnixMillis) -> ProviderOutcome
                     .and_then(|v| parse_retry_after(v, now)),
             },
             408 | 500..=599 => ProviderOutcome::Failed,
-            status => ProviderOutcome::Rejected { status },
+            status => ProviderOutcome::Rejected {
+                status,
+                location: location.as_deref().map(printable),
+            },
         },
     }
+}
+
+/// A provider-chosen header value made safe for a log line and an AMQP
+/// header: control characters replaced, at most 256 characters.
+fn printable(value: &str) -> String {
+    value
+        .chars()
+        .take(256)
+        .map(|c| if c.is_control() { '?' } else { c })
+        .collect()
 }
 
 /// Parses `Retry-After` as delta-seconds or an HTTP date, relative to `now`.
@@ -172,6 +195,7 @@ mod tests {
         ProviderResponse::Status {
             status,
             retry_after: None,
+            location: None,
         }
     }
 
@@ -195,17 +219,27 @@ mod tests {
             classify(&ProviderResponse::Transport, now),
             ProviderOutcome::Failed
         );
+        for code in [400, 404, 302] {
+            assert_eq!(
+                classify(&status(code), now),
+                ProviderOutcome::Rejected {
+                    status: code,
+                    location: None
+                }
+            );
+        }
+        let redirect = ProviderResponse::Status {
+            status: 307,
+            retry_after: None,
+            location: Some("https://elsewhere.example/\u{7}send".into()),
+        };
         assert_eq!(
-            classify(&status(400), now),
-            ProviderOutcome::Rejected { status: 400 }
-        );
-        assert_eq!(
-            classify(&status(404), now),
-            ProviderOutcome::Rejected { status: 404 }
-        );
-        assert_eq!(
-            classify(&status(302), now),
-            ProviderOutcome::Rejected { status: 302 }
+            classify(&redirect, now),
+            ProviderOutcome::Rejected {
+                status: 307,
+                location: Some("https://elsewhere.example/?send".into())
+            },
+            "a redirect is rejected, its Location kept (printable) for the detail"
         );
     }
 

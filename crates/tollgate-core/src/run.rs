@@ -368,9 +368,14 @@ impl JobRun {
                 let wait = policy.backoff.delay(failures, jitter);
                 self.begin_wait(policy, now, wait, ParkReason::Backoff)
             }
-            ProviderOutcome::Rejected { status } => Action::DeadLetter {
+            ProviderOutcome::Rejected { status, location } => Action::DeadLetter {
                 reason: DeadReason::Rejected,
-                detail: format!("provider answered {status}"),
+                detail: match location {
+                    Some(location) => format!(
+                        "provider answered {status} with Location: {location} (redirects are never followed)"
+                    ),
+                    None => format!("provider answered {status}"),
+                },
             },
         }
     }
@@ -780,7 +785,15 @@ mod tests {
         run.next(&p, T0);
         run.on_permit(&p, GRANTED, T0);
         assert_eq!(
-            run.on_provider(&p, ProviderOutcome::Rejected { status: 422 }, T0, 0.0),
+            run.on_provider(
+                &p,
+                ProviderOutcome::Rejected {
+                    status: 422,
+                    location: None
+                },
+                T0,
+                0.0
+            ),
             Action::DeadLetter {
                 reason: DeadReason::Rejected,
                 detail: "provider answered 422".into(),

@@ -8,7 +8,7 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use reqwest::header::{CONTENT_TYPE, HeaderMap, HeaderValue, RETRY_AFTER};
+use reqwest::header::{CONTENT_TYPE, HeaderMap, HeaderValue, LOCATION, RETRY_AFTER};
 use tollgate_core::outcome::ProviderResponse;
 use tollgate_core::ports::{Provider, ProviderCall};
 use tollgate_core::{Eligibility, Job};
@@ -69,9 +69,11 @@ pub struct HttpProvider {
 }
 
 impl HttpProvider {
-    /// `timeout` bounds the whole call (connect, send, response).
+    /// `timeout` bounds the whole call (connect, send, response). Redirects
+    /// are never followed: a 3xx is an answer, which the core rejects.
     pub fn new(routes: Vec<Route>, timeout: Duration) -> Result<Self, ProviderError> {
         let client = reqwest::Client::builder()
+            .redirect(reqwest::redirect::Policy::none())
             .timeout(timeout)
             .connect_timeout(timeout.min(Duration::from_secs(5)))
             .pool_max_idle_per_host(64)
@@ -157,16 +159,18 @@ impl Provider for HttpProvider {
         match sent {
             Ok(resp) => {
                 let status = resp.status().as_u16();
-                let retry_after = resp
-                    .headers()
-                    .get(RETRY_AFTER)
-                    .and_then(|v| v.to_str().ok())
-                    .map(str::to_owned);
+                let header = |name| {
+                    resp.headers()
+                        .get(name)
+                        .map(|v: &HeaderValue| String::from_utf8_lossy(v.as_bytes()).into_owned())
+                };
+                let (retry_after, location) = (header(RETRY_AFTER), header(LOCATION));
                 // Drain the body so the connection can be reused.
                 let _ = resp.bytes().await;
                 ProviderResponse::Status {
                     status,
                     retry_after,
+                    location,
                 }
             }
             Err(e) if e.is_timeout() => ProviderResponse::Timeout,

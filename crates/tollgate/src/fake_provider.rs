@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use axum::Router;
 use axum::body::Bytes;
 use axum::extract::State;
-use axum::http::{HeaderMap, StatusCode};
+use axum::http::{HeaderMap, Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use tokio::sync::oneshot;
@@ -30,6 +30,9 @@ pub struct Received {
     pub body: String,
     /// The status the behaviour answered.
     pub status: u16,
+    pub method: String,
+    /// The request path: `/send` unless a client followed a redirect.
+    pub path: String,
 }
 
 /// What to answer.
@@ -37,6 +40,8 @@ pub struct Received {
 pub struct Reply {
     pub status: u16,
     pub retry_after: Option<String>,
+    /// A `Location` header (to answer with a redirect).
+    pub location: Option<String>,
     /// Wait this long before answering (to provoke timeouts).
     pub delay: Duration,
 }
@@ -46,12 +51,34 @@ impl Reply {
         Self {
             status,
             retry_after: None,
+            location: None,
             delay: Duration::ZERO,
         }
     }
 
     pub fn ok() -> Self {
         Self::status(200)
+    }
+
+    /// A 429 with this `Retry-After` value.
+    pub fn throttled(retry_after: &str) -> Self {
+        Self {
+            retry_after: Some(retry_after.into()),
+            ..Self::status(429)
+        }
+    }
+
+    /// A redirect to `location`.
+    pub fn redirect(status: u16, location: &str) -> Self {
+        Self {
+            location: Some(location.into()),
+            ..Self::status(status)
+        }
+    }
+
+    /// The same reply, answered after `delay`.
+    pub fn after(self, delay: Duration) -> Self {
+        Self { delay, ..self }
     }
 }
 
@@ -82,11 +109,7 @@ pub fn strict_limits(limits: HashMap<String, u32>) -> Behavior {
             window.pop_front();
         }
         if window.len() >= limit as usize {
-            return Reply {
-                status: 429,
-                retry_after: Some("1".into()),
-                delay: Duration::ZERO,
-            };
+            return Reply::throttled("1");
         }
         window.push_back(req.instant);
         Reply::ok()
@@ -113,8 +136,11 @@ impl FakeProvider {
             log: Mutex::new(Vec::new()),
             seen: Mutex::new(HashMap::new()),
         });
+        // Anything but `POST /send` (a client that followed a redirect) is
+        // recorded too, and answered 200 as a lenient server would.
         let app = Router::new()
             .route("/send", post(handle))
+            .fallback(stray)
             .with_state(Arc::clone(&shared));
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?;
@@ -169,17 +195,37 @@ fn header(headers: &HeaderMap, name: &str) -> String {
         .unwrap_or_default()
 }
 
-async fn handle(State(shared): State<Arc<Shared>>, headers: HeaderMap, body: Bytes) -> Response {
-    let mut received = Received {
+/// Records a request that is not `POST /send` and answers 200.
+async fn stray(
+    State(shared): State<Arc<Shared>>,
+    method: Method,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let mut received = received(&headers, &body, &method, &uri);
+    received.status = 200;
+    shared.log.lock().expect("not poisoned").push(received);
+    StatusCode::OK.into_response()
+}
+
+fn received(headers: &HeaderMap, body: &Bytes, method: &Method, uri: &Uri) -> Received {
+    Received {
         at: SystemClock.now(),
         instant: Instant::now(),
-        tenant: header(&headers, "x-tollgate-tenant"),
-        job_id: header(&headers, "x-tollgate-job-id"),
-        idempotency_key: header(&headers, "idempotency-key"),
-        attempt: header(&headers, "x-tollgate-attempt").parse().unwrap_or(0),
-        body: String::from_utf8_lossy(&body).into_owned(),
+        tenant: header(headers, "x-tollgate-tenant"),
+        job_id: header(headers, "x-tollgate-job-id"),
+        idempotency_key: header(headers, "idempotency-key"),
+        attempt: header(headers, "x-tollgate-attempt").parse().unwrap_or(0),
+        body: String::from_utf8_lossy(body).into_owned(),
         status: 0,
-    };
+        method: method.to_string(),
+        path: uri.path().to_owned(),
+    }
+}
+
+async fn handle(State(shared): State<Arc<Shared>>, headers: HeaderMap, body: Bytes) -> Response {
+    let mut received = received(&headers, &body, &Method::POST, &Uri::from_static("/send"));
     let earlier = {
         let mut seen = shared.seen.lock().expect("not poisoned");
         let n = seen.entry(received.idempotency_key.clone()).or_insert(0);
@@ -193,10 +239,16 @@ async fn handle(State(shared): State<Arc<Shared>>, headers: HeaderMap, body: Byt
         tokio::time::sleep(reply.delay).await;
     }
     let status = StatusCode::from_u16(reply.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-    match reply.retry_after {
-        Some(after) => (status, [("retry-after", after)]).into_response(),
-        None => status.into_response(),
+    let mut response = status.into_response();
+    for (name, value) in [
+        ("retry-after", reply.retry_after),
+        ("location", reply.location),
+    ] {
+        if let Some(value) = value.and_then(|v| v.parse().ok()) {
+            response.headers_mut().insert(name, value);
+        }
     }
+    response
 }
 
 /// Most requests in any window of `width`, sliding over every request.

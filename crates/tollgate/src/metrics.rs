@@ -295,7 +295,7 @@ impl Metrics {
         }
     }
 
-    pub fn provider(&self, tenant: &str, route: &str, outcome: ProviderOutcome, took: Duration) {
+    pub fn provider(&self, tenant: &str, route: &str, outcome: &ProviderOutcome, took: Duration) {
         let outcome = outcome.as_str();
         self.0
             .provider_requests
@@ -416,7 +416,7 @@ mod tests {
         metrics.provider(
             "acme",
             "default",
-            ProviderOutcome::Sent,
+            &ProviderOutcome::Sent,
             Duration::from_millis(3),
         );
         metrics.parked("acme", ParkReason::Quota);

@@ -569,9 +569,9 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
                     let took = started.elapsed();
                     now = self.clock.now();
                     let outcome = classify(&response, now);
-                    self.metrics.provider(tenant, route, outcome, took);
+                    self.metrics.provider(tenant, route, &outcome, took);
                     let sent = matches!(outcome, ProviderOutcome::Sent);
-                    let penalty = match outcome {
+                    let penalty = match &outcome {
                         ProviderOutcome::Throttled { retry_after } => {
                             Some(retry_after.unwrap_or(self.policy.default_retry_after))
                         }
