@@ -211,3 +211,64 @@ async fn the_binary_runs_a_worker_and_every_verb_works() {
     );
     env.cleanup().await;
 }
+
+/// An empty `TOLLGATE_ADMIN_TOKEN=` (or an empty mounted token file) once
+/// opened the admin API to anyone: now the worker refuses to start, exit 64,
+/// naming the setting.
+#[test]
+fn a_worker_refuses_an_empty_or_short_admin_token() {
+    let dir = std::env::temp_dir().join(format!("tollgate-token-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let empty_file = dir.join("admin-token");
+    std::fs::write(&empty_file, "\n").unwrap();
+    let cases: [(&str, String, &str); 3] = [
+        (
+            "TOLLGATE_ADMIN_TOKEN",
+            String::new(),
+            "TOLLGATE_ADMIN_TOKEN",
+        ),
+        (
+            "TOLLGATE_ADMIN_TOKEN",
+            "short-token".into(),
+            "TOLLGATE_ADMIN_TOKEN",
+        ),
+        (
+            "TOLLGATE_ADMIN_TOKEN_FILE",
+            empty_file.display().to_string(),
+            "TOLLGATE_ADMIN_TOKEN_FILE",
+        ),
+    ];
+    for (key, value, named) in cases {
+        let mut child = Command::new(tollgate_bin())
+            .arg("worker")
+            .env("TOLLGATE_PROVIDER_URL", "http://127.0.0.1:9/send")
+            .env("TOLLGATE_HTTP_ADDR", "127.0.0.1:0")
+            .env(
+                "TOLLGATE_PREFIX",
+                format!("tgtest-token-{}", std::process::id()),
+            )
+            .env(key, &value)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("tollgate runs");
+        // A worker that started despite the token would run forever.
+        let started = std::time::Instant::now();
+        while child.try_wait().unwrap().is_none() && started.elapsed() < Duration::from_secs(20) {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = child.kill();
+        let out = child.wait_with_output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(
+            out.status.code(),
+            Some(64),
+            "{key}={value:?} must refuse to start: {stderr}"
+        );
+        assert!(
+            stderr.contains(named) && stderr.contains("at least 16"),
+            "{key}={value:?}: the error names {named}: {stderr}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

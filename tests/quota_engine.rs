@@ -453,7 +453,12 @@ async fn the_admin_api_needs_the_right_token() {
     let env = TestEnv::new("http://127.0.0.1:9/unused").await;
     let state = tollgate::admin::AdminState {
         store: Arc::new(tollgate::cli::quota_store(&env.config).unwrap()),
-        token: Some(tollgate::config::Secret::new("right-token")),
+        token: Some(
+            tollgate::admin::AdminToken::new(tollgate::config::Secret::new(
+                "right-token-0123456789",
+            ))
+            .unwrap(),
+        ),
         config_default: env.config.default_quota().unwrap(),
         cancel_ttl: Duration::from_secs(60),
     };
@@ -478,7 +483,7 @@ async fn the_admin_api_needs_the_right_token() {
     assert_eq!(wrong.status(), 401);
     let put_wrong = http
         .put(url("/v1/tenants/acme/quota"))
-        .bearer_auth("right-tokeN")
+        .bearer_auth("right-token-0123456789X")
         .json(&serde_json::json!({"rate": "1/s"}))
         .send()
         .await
@@ -491,14 +496,27 @@ async fn the_admin_api_needs_the_right_token() {
 
     let ok = http
         .get(url("/v1/quotas"))
-        .bearer_auth("right-token")
+        .bearer_auth("right-token-0123456789")
         .send()
         .await
         .unwrap();
     assert_eq!(ok.status(), 200);
+    for scheme in ["bearer", "BEARER"] {
+        let any_case = http
+            .get(url("/v1/quotas"))
+            .header("authorization", format!("{scheme} right-token-0123456789"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(
+            any_case.status(),
+            200,
+            "the scheme is case-insensitive: {scheme}"
+        );
+    }
     let put = http
         .put(url("/v1/tenants/acme/quota"))
-        .bearer_auth("right-token")
+        .bearer_auth("right-token-0123456789")
         .header("x-tollgate-actor", "alice")
         .json(&serde_json::json!({"rate": "20/s", "burst": 2, "concurrency": 4}))
         .send()
@@ -512,7 +530,7 @@ async fn the_admin_api_needs_the_right_token() {
     assert_eq!(stored.concurrency, Some(4));
     let history: serde_json::Value = http
         .get(url("/v1/history?target=tenant:acme"))
-        .bearer_auth("right-token")
+        .bearer_auth("right-token-0123456789")
         .send()
         .await
         .unwrap()
@@ -523,7 +541,7 @@ async fn the_admin_api_needs_the_right_token() {
     assert_eq!(history[0]["source"], "api");
     let bad = http
         .put(url("/v1/tenants/acme/quota"))
-        .bearer_auth("right-token")
+        .bearer_auth("right-token-0123456789")
         .json(&serde_json::json!({"rate": "lots"}))
         .send()
         .await

@@ -1,7 +1,9 @@
 //! The admin API under `/v1/`: the same operations as `tollgate quota`,
 //! `tollgate tenant` and `tollgate cancel`, for tools and dashboards. Every
 //! endpoint needs `Authorization: Bearer $TOLLGATE_ADMIN_TOKEN` (compared in
-//! constant time); with no token configured the API refuses everything.
+//! constant time); with no token configured the API refuses everything. A
+//! token shorter than [`AdminToken::MIN_BYTES`] cannot be built, so an empty
+//! `TOLLGATE_ADMIN_TOKEN=` can never open the API.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -24,10 +26,36 @@ use crate::config::Secret;
 /// Request bodies are tiny; anything larger is refused before parsing.
 const BODY_LIMIT: usize = 16 * 1024;
 
+/// The admin API's bearer token: at least [`AdminToken::MIN_BYTES`] long.
+#[derive(Clone, Debug)]
+pub struct AdminToken(Secret);
+
+impl AdminToken {
+    /// Shorter tokens (an empty one above all) are refused: 16 bytes is the
+    /// least a random token worth the name has (`openssl rand -hex 16` gives 32).
+    pub const MIN_BYTES: usize = 16;
+
+    pub fn new(secret: Secret) -> Result<Self, String> {
+        let len = secret.expose().len();
+        if len < Self::MIN_BYTES {
+            return Err(format!(
+                "the admin token is {len} bytes; it must be at least {} \
+                 (generate one with `openssl rand -hex 32`), or unset it to disable the admin API",
+                Self::MIN_BYTES
+            ));
+        }
+        Ok(Self(secret))
+    }
+
+    fn matches(&self, presented: &str) -> bool {
+        constant_time_eq(presented.as_bytes(), self.0.expose().as_bytes())
+    }
+}
+
 #[derive(Clone)]
 pub struct AdminState {
     pub store: Arc<QuotaStore>,
-    pub token: Option<Secret>,
+    pub token: Option<AdminToken>,
     /// The config default, shown when no default is stored.
     pub config_default: Quota,
     pub cancel_ttl: Duration,
@@ -78,12 +106,21 @@ async fn authorize(State(state): State<AdminState>, request: Request, next: Next
         .headers()
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
+        .and_then(bearer)
         .unwrap_or("");
-    if !constant_time_eq(presented.as_bytes(), token.expose().as_bytes()) {
+    if !token.matches(presented) {
         return unauthorized("missing or wrong bearer token");
     }
     next.run(request).await
+}
+
+/// The credentials of a `Bearer` authorization (the scheme is
+/// case-insensitive, RFC 9110 §11.1).
+fn bearer(authorization: &str) -> Option<&str> {
+    let (scheme, credentials) = authorization.trim().split_once(' ')?;
+    scheme
+        .eq_ignore_ascii_case("bearer")
+        .then(|| credentials.trim_start())
 }
 
 fn unauthorized(message: &str) -> Response {
@@ -431,7 +468,23 @@ async fn cancel(
 
 #[cfg(test)]
 mod tests {
-    use super::constant_time_eq;
+    use super::*;
+
+    #[test]
+    fn the_bearer_scheme_is_case_insensitive() {
+        assert_eq!(bearer("Bearer abc"), Some("abc"));
+        assert_eq!(bearer("bearer abc"), Some("abc"));
+        assert_eq!(bearer("BEARER  abc"), Some("abc"));
+        assert_eq!(bearer("Basic abc"), None);
+        assert_eq!(bearer("Bearer"), None);
+    }
+
+    #[test]
+    fn short_tokens_cannot_be_built() {
+        assert!(AdminToken::new(Secret::new("")).is_err());
+        assert!(AdminToken::new(Secret::new("fifteen-bytes!!")).is_err());
+        assert!(AdminToken::new(Secret::new("sixteen-bytes!!!")).is_ok());
+    }
 
     #[test]
     fn token_comparison_is_exact() {

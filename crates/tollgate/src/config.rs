@@ -317,6 +317,8 @@ impl Config {
             self.provider_url = Some(SecretUrl::new(v));
         }
         if let Some(v) = read(admin)? {
+            crate::admin::AdminToken::new(Secret::new(v.clone()))
+                .map_err(|e| anyhow::anyhow!("TOLLGATE_ADMIN_TOKEN_FILE: {e}"))?;
             self.admin_token = Some(Secret::new(v));
         }
         Ok(self)
@@ -353,6 +355,7 @@ impl Config {
                 self.hold_max_ms
             );
         }
+        self.admin_token()?;
         self.policy()?;
         self.default_quota()?;
         self.routes()?;
@@ -360,6 +363,16 @@ impl Config {
         self.tls_ca_pem()?;
         self.baseline()?;
         Ok(())
+    }
+
+    /// The admin API's token, if set; a set but empty or short one is an
+    /// error, never an open API.
+    pub fn admin_token(&self) -> anyhow::Result<Option<crate::admin::AdminToken>> {
+        self.admin_token
+            .clone()
+            .map(crate::admin::AdminToken::new)
+            .transpose()
+            .map_err(|e| anyhow::anyhow!("admin_token (TOLLGATE_ADMIN_TOKEN): {e}"))
     }
 
     pub fn tiers(&self) -> anyhow::Result<DelayTiers> {
@@ -553,7 +566,7 @@ mod tests {
     fn secrets_can_come_from_mounted_files() {
         figment::Jail::expect_with(|jail| {
             jail.create_file("amqp-url", "amqp://app:from-file@rabbit:5672/%2f\n")?;
-            jail.create_file("admin-token", "t0ken\n")?;
+            jail.create_file("admin-token", "t0ken-of-32-bytes-from-a-secret\n")?;
             jail.set_env("TOLLGATE_AMQP_URL", "amqp://app:from-env@rabbit:5672/%2f");
             jail.set_env("TOLLGATE_AMQP_URL_FILE", "amqp-url");
             jail.set_env("TOLLGATE_ADMIN_TOKEN_FILE", "admin-token");
@@ -568,7 +581,7 @@ mod tests {
             );
             assert_eq!(
                 config.admin_token.as_ref().map(Secret::expose),
-                Some("t0ken")
+                Some("t0ken-of-32-bytes-from-a-secret")
             );
             jail.set_env("TOLLGATE_REDIS_URL_FILE", "missing");
             let err = Config::load(None).unwrap_err();

@@ -60,7 +60,7 @@ async fn worker(config: Config) -> anyhow::Result<()> {
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let admin = tollgate::admin::AdminState {
         store: Arc::new(tollgate::cli::quota_store(&config)?),
-        token: config.admin_token.clone(),
+        token: config.admin_token()?,
         config_default: config.default_quota()?,
         cancel_ttl: std::time::Duration::from_secs(config.cancel_ttl_s),
     };
