@@ -182,3 +182,78 @@ async fn a_redirect_is_rejected_and_never_followed() {
     worker.stop().await.unwrap();
     env.cleanup().await;
 }
+
+/// A 429's Retry-After is a floor for every later send of the tenant,
+/// whatever its burst (a bucket with burst 5 once let sends through four
+/// intervals early), including sends this pod had already reserved; and
+/// `Retry-After: 0` or a date in the past pauses `min_retry_after_ms`, never
+/// retrying at once without using an attempt.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_send_before_retry_after_whatever_the_burst_or_the_header() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let bursty_calls = Arc::new(AtomicUsize::new(0));
+    let calls = Arc::clone(&bursty_calls);
+    let past = tollgate_core::outcome::http_date(tollgate_core::UnixMillis(0));
+    let provider = FakeProvider::start(Arc::new(
+        move |req: &tollgate_tests::Received, earlier: usize| match req.tenant.as_str() {
+            // The sixth call, once the burst of five is spent and sends are
+            // spaced 100 ms apart, so none is in flight beside it.
+            "bursty" if calls.fetch_add(1, Ordering::SeqCst) == 5 => Reply::throttled("2"),
+            "zero" if earlier < 3 => Reply::throttled("0"),
+            "past" if earlier < 3 => Reply::throttled(&past),
+            _ => Reply::ok(),
+        },
+    ))
+    .await
+    .unwrap();
+    let env = TestEnv::new(&provider.url()).await;
+    env.set_quota("bursty", "10/s", 5).await;
+    let worker = env.spawn_worker().await;
+    env.publish("bursty", 20, |_| {}).await;
+    env.publish("zero", 1, |_| {}).await;
+    env.publish("past", 1, |_| {}).await;
+
+    wait_for("every job sent", Duration::from_secs(60), || async {
+        provider.accepted() >= 22
+    })
+    .await;
+    let received = provider.received();
+    let of = |tenant: &str| -> Vec<&tollgate_tests::Received> {
+        received.iter().filter(|r| r.tenant == tenant).collect()
+    };
+    let bursty = of("bursty");
+    let throttled = bursty
+        .iter()
+        .find(|r| r.status == 429)
+        .expect("the sixth call was throttled");
+    let resume = throttled.instant + Duration::from_secs(2);
+    let early: Vec<Duration> = bursty
+        .iter()
+        .filter(|r| r.instant > throttled.instant && r.instant < resume)
+        .map(|r| resume - r.instant)
+        .collect();
+    assert!(
+        early.is_empty(),
+        "sends before Retry-After ended, by {early:?} (burst 5)"
+    );
+    assert_eq!(bursty.iter().filter(|r| r.status == 200).count(), 20);
+
+    let min = Duration::from_millis(env.config.min_retry_after_ms);
+    for tenant in ["zero", "past"] {
+        let calls = of(tenant);
+        assert_eq!(calls.len(), 4, "{tenant}: three 429s, then sent");
+        for pair in calls.windows(2) {
+            let gap = pair[1].instant - pair[0].instant;
+            assert!(
+                gap >= min,
+                "{tenant}: retried {gap:?} after a 429, under the {min:?} floor"
+            );
+        }
+        assert!(
+            calls.iter().all(|r| r.attempt == 1),
+            "{tenant}: a 429 uses no attempt"
+        );
+    }
+    worker.stop().await.unwrap();
+    env.cleanup().await;
+}

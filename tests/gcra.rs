@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use proptest::prelude::*;
-use tollgate_core::ports::PermitRequest;
+use tollgate_core::ports::{Penalty, PermitRequest, ThrottleScope};
 use tollgate_core::{IdempotencyKey, JobId, Kind, PermitDecision, Quota, TenantId};
 use tollgate_quota::{Keys, PermitSettings, QuotaStore, Redis, RedisPermits, Reply};
 
@@ -28,6 +28,23 @@ fn settings(default: Quota) -> PermitSettings {
 
 /// Send times (µs) granted for requests arriving at `arrivals` (µs offsets).
 async fn granted_sends(quota: Quota, arrivals: &[u64]) -> Vec<u64> {
+    granted_sends_around(quota, arrivals, None)
+        .await
+        .into_iter()
+        .map(|(_, send)| send)
+        .collect()
+}
+
+/// (arrival, send time) of each granted request, like [`granted_sends`];
+/// `throttle` = (offset, Retry-After, scope): at that offset a call answers
+/// 429 (a call of this tenant for the tenant scope, of tenant `noisy` on
+/// the same route for the route scope), before the requests arriving at or
+/// after it are decided.
+async fn granted_sends_around(
+    quota: Quota,
+    arrivals: &[u64],
+    throttle: Option<(u64, Duration, ThrottleScope)>,
+) -> Vec<(u64, u64)> {
     let config = tollgate::Config::load(None).expect("TOLLGATE_* environment is valid");
     let prefix = format!(
         "tgtest-gcra-{}",
@@ -38,7 +55,33 @@ async fn granted_sends(quota: Quota, arrivals: &[u64]) -> Vec<u64> {
     let tenant = TenantId::parse("prop").unwrap();
     let route = Kind::default_kind();
     let mut sends = Vec::new();
+    let mut throttle = throttle;
     for (i, &offset) in arrivals.iter().enumerate() {
+        if let Some((at, wait, scope)) = throttle.filter(|&(at, ..)| at <= offset) {
+            throttle = None;
+            let (noisy, id) = (
+                TenantId::parse("noisy").unwrap(),
+                JobId::parse("n").unwrap(),
+            );
+            let key = IdempotencyKey::from(&id);
+            let throttled = PermitRequest {
+                tenant: if scope == ThrottleScope::Tenant {
+                    &tenant
+                } else {
+                    &noisy
+                },
+                route: &route,
+                job_id: &id,
+                key: &key,
+                lease_token: "n",
+                returning: None,
+            };
+            let penalty = Penalty { wait, scope };
+            permits
+                .record(throttled, false, Some(penalty), Some(T0 + at))
+                .await
+                .unwrap();
+        }
         let id = JobId::parse(format!("j{i}")).unwrap();
         let key = IdempotencyKey::from(&id);
         let req = PermitRequest {
@@ -53,7 +96,7 @@ async fn granted_sends(quota: Quota, arrivals: &[u64]) -> Vec<u64> {
         if let Reply::Decision(PermitDecision::Granted { delay, .. }) =
             permits.decide(req, 1, Some(now)).await.unwrap()
         {
-            sends.push(now + delay.as_micros() as u64);
+            sends.push((offset, now + delay.as_micros() as u64));
         }
     }
     QuotaStore::new(redis, Keys::new(&prefix))
@@ -109,4 +152,92 @@ fn a_burst_of_requests_gets_burst_then_one_per_interval() {
     // 250 ms horizon: at +100 ms and +200 ms.
     let offsets: Vec<u64> = sends.iter().map(|s| s - T0).collect();
     assert_eq!(offsets, [0, 0, 0, 100_000, 200_000]);
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+
+    /// After a 429 with Retry-After, no permit is granted for a send before
+    /// it has passed, whatever the burst (a bucket with burst b once let
+    /// sends through up to (b − 1) intervals early); with the route scope,
+    /// a 429 seen by another tenant pauses this one too.
+    #[test]
+    fn no_send_before_retry_after_whatever_the_burst(
+        count in 1u32..50,
+        burst in 1u32..8,
+        at in 0u64..1_000_000,
+        retry_after_ms in 1u64..3_000,
+        route_scope in any::<bool>(),
+        gaps in proptest::collection::vec(0u64..100_000, 1..80),
+    ) {
+        let quota = Quota::new(format!("{count}/s").parse().unwrap(), burst).unwrap();
+        let arrivals: Vec<u64> = gaps.iter().scan(0, |t, g| { *t += g; Some(*t) }).collect();
+        let scope = if route_scope { ThrottleScope::Route } else { ThrottleScope::Tenant };
+        let wait = Duration::from_millis(retry_after_ms);
+        let sends = runtime().block_on(granted_sends_around(quota, &arrivals, Some((at, wait, scope))));
+        let resume = T0 + at + wait.as_micros() as u64;
+        // Requests decided before the 429 keep their reservations (the pod
+        // that saw the 429 holds its own back; see `LocalThrottles`).
+        for (arrival, send) in sends.into_iter().filter(|&(arrival, _)| arrival >= at) {
+            prop_assert!(
+                send >= resume,
+                "asked at +{arrival} µs, granted {} µs before Retry-After ended ({count}/s burst {burst}, {scope:?})",
+                resume - send
+            );
+        }
+    }
+}
+
+#[test]
+fn a_tenant_scoped_429_leaves_other_tenants_of_the_route_alone() {
+    let quota = Quota::new("10/s".parse().unwrap(), 1).unwrap();
+    let throttle = Some((0, Duration::from_secs(2), ThrottleScope::Tenant));
+    // `noisy` was throttled, not `prop`: its requests go on at its pace.
+    let runtime = runtime();
+    let sends = runtime.block_on(async {
+        let config = tollgate::Config::load(None).expect("TOLLGATE_* environment is valid");
+        let prefix = format!(
+            "tgtest-gcra-{}",
+            &uuid::Uuid::new_v4().simple().to_string()[..10]
+        );
+        let redis = Arc::new(Redis::new(&config.redis_settings()).unwrap());
+        let permits = RedisPermits::new(Arc::clone(&redis), Keys::new(&prefix), settings(quota));
+        let (noisy, other, route) = (
+            TenantId::parse("noisy").unwrap(),
+            TenantId::parse("other").unwrap(),
+            Kind::default_kind(),
+        );
+        let id = JobId::parse("n").unwrap();
+        let key = IdempotencyKey::from(&id);
+        let req = |tenant| PermitRequest {
+            tenant,
+            route: &route,
+            job_id: &id,
+            key: &key,
+            lease_token: "t",
+            returning: None,
+        };
+        let (_, wait, scope) = throttle.unwrap();
+        permits
+            .record(req(&noisy), false, Some(Penalty { wait, scope }), Some(T0))
+            .await
+            .unwrap();
+        let other_decision = permits.decide(req(&other), 1, Some(T0 + 1)).await.unwrap();
+        let noisy_decision = permits.decide(req(&noisy), 1, Some(T0 + 1)).await.unwrap();
+        QuotaStore::new(redis, Keys::new(&prefix))
+            .purge_prefix()
+            .await
+            .unwrap();
+        (other_decision, noisy_decision)
+    });
+    assert!(
+        matches!(sends.0, Reply::Decision(PermitDecision::Granted { delay, .. }) if delay.is_zero()),
+        "another tenant of the route is not paused: {:?}",
+        sends.0
+    );
+    assert!(
+        matches!(sends.1, Reply::Denied { retry_in, .. } if retry_in >= Duration::from_micros(1_749_999)),
+        "the throttled tenant waits out its Retry-After (less the horizon): {:?}",
+        sends.1
+    );
 }

@@ -36,6 +36,26 @@ pub struct Returning {
     pub interval: Option<std::time::Duration>,
 }
 
+/// Whom a provider's 429 pauses, per route.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ThrottleScope {
+    /// The provider limits each customer: only the tenant that was
+    /// throttled waits.
+    #[default]
+    Tenant,
+    /// One provider account shared by every tenant: every tenant of the
+    /// route waits.
+    Route,
+}
+
+/// A 429's pause, pushed into the permit store so every pod obeys it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Penalty {
+    pub wait: std::time::Duration,
+    pub scope: ThrottleScope,
+}
+
 /// The fleet-wide permit decision (one atomic call) and its bookkeeping.
 pub trait PermitStore: Send + Sync + 'static {
     type Error: std::error::Error + Send + Sync + 'static;
@@ -50,13 +70,14 @@ pub trait PermitStore: Send + Sync + 'static {
     fn ping(&self) -> impl Future<Output = Result<(), Self::Error>> + Send;
 
     /// After a provider call: record the key when `sent`, release the lease
-    /// and concurrency slot, and on a 429 push the tenant's and route's
-    /// buckets `penalty` forward so every pod backs off.
+    /// and concurrency slot, and on a 429 push the tenant's (or, by the
+    /// route's scope, the route's) bucket past `penalty` so every pod backs
+    /// off.
     fn complete(
         &self,
         req: PermitRequest<'_>,
         sent: bool,
-        penalty: Option<std::time::Duration>,
+        penalty: Option<Penalty>,
     ) -> impl Future<Output = Result<(), Self::Error>> + Send;
 }
 
@@ -71,6 +92,9 @@ pub struct ProviderCall<'a> {
 pub trait Provider: Send + Sync + 'static {
     /// The route a job goes to, or `None` when its kind has no route.
     fn route(&self, job: &Job) -> Option<&str>;
+
+    /// Whom a 429 from the job's route pauses.
+    fn throttle_scope(&self, job: &Job) -> ThrottleScope;
 
     /// Asks the route's eligibility webhook; `Eligible` when it has none.
     fn eligibility(&self, job: &Job) -> impl Future<Output = Eligibility> + Send;

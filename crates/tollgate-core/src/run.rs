@@ -38,6 +38,19 @@ pub struct Policy {
     pub quota_recheck: Duration,
     /// Wait after a 429 that carried no usable `Retry-After`.
     pub default_retry_after: Duration,
+    /// Shortest wait after a 429: `Retry-After: 0` or a date in the past
+    /// would otherwise retry at once, forever, without using an attempt.
+    pub min_retry_after: Duration,
+}
+
+impl Policy {
+    /// How long a 429 pauses: its `Retry-After`, else the default, never
+    /// less than `min_retry_after`.
+    pub fn throttle_wait(&self, retry_after: Option<Duration>) -> Duration {
+        retry_after
+            .unwrap_or(self.default_retry_after)
+            .max(self.min_retry_after)
+    }
 }
 
 /// What a tenant's shadow quota would have decided for a granted send.
@@ -352,10 +365,12 @@ impl JobRun {
         self.stage = Stage::Due;
         match outcome {
             ProviderOutcome::Sent => Action::Complete(Completion::Sent),
-            ProviderOutcome::Throttled { retry_after } => {
-                let wait = retry_after.unwrap_or(policy.default_retry_after);
-                self.begin_wait(policy, now, wait, ParkReason::Throttled)
-            }
+            ProviderOutcome::Throttled { retry_after } => self.begin_wait(
+                policy,
+                now,
+                policy.throttle_wait(retry_after),
+                ParkReason::Throttled,
+            ),
             ProviderOutcome::Failed => {
                 self.progress.attempt += 1;
                 let failures = self.progress.attempt;
@@ -378,6 +393,19 @@ impl JobRun {
                 },
             },
         }
+    }
+
+    /// A permit is held but the tenant (or its route) was throttled since
+    /// it was granted: do not call, wait until `until` instead. The permit's
+    /// slot is spent; no attempt is used.
+    pub fn hold_back(&mut self, policy: &Policy, until: UnixMillis, now: UnixMillis) -> Action {
+        debug_assert_eq!(
+            self.stage,
+            Stage::Granted,
+            "only a granted job is held back"
+        );
+        self.stage = Stage::Due;
+        self.begin_wait(policy, now, now.until(until), ParkReason::Throttled)
     }
 
     fn expired(&self, now: UnixMillis) -> Option<Action> {
@@ -496,6 +524,7 @@ mod tests {
             unavailable_retry: Duration::from_secs(1),
             quota_recheck: Duration::from_secs(5),
             default_retry_after: Duration::from_secs(1),
+            min_retry_after: Duration::from_secs(1),
         }
     }
 
@@ -770,6 +799,58 @@ mod tests {
         ));
         assert_eq!(run.attempt(), 1, "a 429 is not a failed attempt");
         assert_eq!(run.progress().quota_wait, Duration::from_secs(2));
+    }
+
+    #[test]
+    fn a_429_with_retry_after_zero_or_past_still_pauses() {
+        let p = policy();
+        for retry_after in [Some(Duration::ZERO), Some(Duration::from_millis(20)), None] {
+            let mut run = JobRun::new(&job(""), Progress::default(), T0);
+            run.next(&p, T0);
+            run.on_permit(&p, GRANTED, T0);
+            let a = run.on_provider(&p, ProviderOutcome::Throttled { retry_after }, T0, 0.5);
+            match a {
+                Action::Hold { until, .. } | Action::Park { until, .. } => assert!(
+                    T0.until(until) >= p.min_retry_after,
+                    "{retry_after:?}: waits {:?}",
+                    T0.until(until)
+                ),
+                other => panic!("expected a wait, got {other:?}"),
+            }
+            assert_eq!(run.attempt(), 1);
+        }
+    }
+
+    #[test]
+    fn a_held_back_permit_waits_and_uses_no_attempt() {
+        let p = policy();
+        let mut run = JobRun::new(&job(""), Progress::default(), T0);
+        run.next(&p, T0);
+        run.on_permit(
+            &p,
+            PermitDecision::Granted {
+                delay: Duration::from_millis(300),
+                shadow: Shadow::None,
+            },
+            T0,
+        );
+        assert_eq!(run.next(&p, at(300)), Action::CallProvider);
+        let a = run.hold_back(&p, at(1_800), at(300));
+        assert_eq!(
+            a,
+            Action::Park {
+                until: at(1_800),
+                reason: ParkReason::Throttled,
+                tier: Duration::from_secs(1),
+                hop: false,
+            }
+        );
+        assert_eq!(run.attempt(), 1);
+        let mut back = JobRun::new(&job(""), run.progress().clone(), at(1_310));
+        assert!(
+            matches!(back.next(&p, at(1_310)), Action::Hold { until, .. } if until == at(1_800))
+        );
+        assert_eq!(back.next(&p, at(1_800)), Action::CheckEligibility);
     }
 
     #[test]

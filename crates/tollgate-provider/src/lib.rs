@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use reqwest::header::{CONTENT_TYPE, HeaderMap, HeaderValue, LOCATION, RETRY_AFTER};
 use tollgate_core::outcome::ProviderResponse;
-use tollgate_core::ports::{Provider, ProviderCall};
+use tollgate_core::ports::{Provider, ProviderCall, ThrottleScope};
 use tollgate_core::{Eligibility, Job};
 use url::Url;
 
@@ -29,6 +29,8 @@ pub struct Route {
     pub url: Url,
     /// Asked before each permit: 200 = send, 410 = skip (no quota used).
     pub eligibility_url: Option<Url>,
+    /// Whom a 429 from this route pauses.
+    pub throttle_scope: ThrottleScope,
 }
 
 impl Route {
@@ -36,6 +38,7 @@ impl Route {
         kind: impl Into<String>,
         url: Url,
         eligibility_url: Option<Url>,
+        throttle_scope: ThrottleScope,
     ) -> Result<Self, ProviderError> {
         let kind = kind.into();
         for u in std::iter::once(&url).chain(eligibility_url.as_ref()) {
@@ -50,6 +53,7 @@ impl Route {
             kind,
             url,
             eligibility_url,
+            throttle_scope,
         })
     }
 }
@@ -111,6 +115,13 @@ fn job_headers(job: &Job, attempt: u32) -> HeaderMap {
 impl Provider for HttpProvider {
     fn route(&self, job: &Job) -> Option<&str> {
         self.routes.get(job.kind.as_str()).map(|r| r.kind.as_str())
+    }
+
+    fn throttle_scope(&self, job: &Job) -> ThrottleScope {
+        self.routes
+            .get(job.kind.as_str())
+            .map(|r| r.throttle_scope)
+            .unwrap_or_default()
     }
 
     /// POSTs the same headers and body as the provider call would.
@@ -198,7 +209,7 @@ mod tests {
     fn refuses_non_http_routes() {
         let url = Url::parse("file:///etc/passwd").unwrap();
         assert!(matches!(
-            Route::new("default", url, None),
+            Route::new("default", url, None, ThrottleScope::Tenant),
             Err(ProviderError::Scheme { .. })
         ));
     }

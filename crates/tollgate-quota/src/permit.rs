@@ -18,7 +18,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use redis::Script;
-use tollgate_core::ports::{PermitRequest, PermitStore};
+use tollgate_core::ports::{Penalty, PermitRequest, PermitStore, ThrottleScope};
 use tollgate_core::{Kind, PermitDecision, Quota, Shadow, TenantId};
 
 use crate::{Keys, QuotaError, Redis};
@@ -286,6 +286,39 @@ impl RedisPermits {
         Ok(Reply::Decision(decision))
     }
 
+    /// One call of the completion script ([`PermitStore::complete`]).
+    /// `now_micros` replaces Redis `TIME`; only tests and tools pass it.
+    pub async fn record(
+        &self,
+        req: PermitRequest<'_>,
+        sent: bool,
+        penalty: Option<Penalty>,
+        now_micros: Option<u64>,
+    ) -> Result<(), QuotaError> {
+        let scope = match penalty.map(|p| p.scope) {
+            Some(ThrottleScope::Route) => "route",
+            _ => "tenant",
+        };
+        let mut conn = self.redis.conn().await?;
+        self.complete
+            .key(self.keys.sent(req.tenant, req.key))
+            .key(self.keys.lease(req.tenant, req.key))
+            .key(self.keys.in_flight(req.tenant))
+            .key(self.keys.penalty(req.tenant))
+            .key(self.keys.route_penalty(req.route))
+            .arg(req.lease_token)
+            .arg(if sent { "1" } else { "0" })
+            .arg(self.settings.sent_ttl.as_millis() as u64)
+            .arg(req.job_id.as_str())
+            .arg(penalty.map(|p| micros(p.wait)).unwrap_or(0))
+            .arg(now_micros.map(|n| n.to_string()).unwrap_or_default())
+            .arg(scope)
+            .invoke_async::<i64>(&mut conn)
+            .await
+            .map(drop)
+            .map_err(|e| self.redis.classify(e))
+    }
+
     fn state(&self, key: &(TenantId, Kind)) -> Arc<KeyState> {
         let mut all = self.local.lock().expect("not poisoned");
         Arc::clone(all.entry(key.clone()).or_default())
@@ -359,24 +392,8 @@ impl PermitStore for RedisPermits {
         &self,
         req: PermitRequest<'_>,
         sent: bool,
-        penalty: Option<Duration>,
+        penalty: Option<Penalty>,
     ) -> Result<(), QuotaError> {
-        let mut conn = self.redis.conn().await?;
-        self.complete
-            .key(self.keys.sent(req.tenant, req.key))
-            .key(self.keys.lease(req.tenant, req.key))
-            .key(self.keys.in_flight(req.tenant))
-            .key(self.keys.penalty(req.tenant))
-            .key(self.keys.route_penalty(req.route))
-            .arg(req.lease_token)
-            .arg(if sent { "1" } else { "0" })
-            .arg(self.settings.sent_ttl.as_millis() as u64)
-            .arg(req.job_id.as_str())
-            .arg(penalty.map(micros).unwrap_or(0))
-            .arg("")
-            .invoke_async::<i64>(&mut conn)
-            .await
-            .map(drop)
-            .map_err(|e| self.redis.classify(e))
+        self.record(req, sent, penalty, None).await
     }
 }

@@ -15,6 +15,7 @@ use serde::{Deserialize, Serialize};
 use tollgate_amqp::Topology;
 use tollgate_core::backoff::Backoff;
 use tollgate_core::job::Limits;
+use tollgate_core::ports::ThrottleScope;
 use tollgate_core::{DelayTiers, Policy, Quota, Rate};
 use tollgate_provider::Route;
 use tollgate_quota::{PermitSettings, RedisSettings};
@@ -97,6 +98,9 @@ pub struct RouteConfig {
     /// Asked before each permit: 200 = send, 410 = skip (no quota used).
     #[serde(default)]
     pub eligibility_url: Option<SecretUrl>,
+    /// Whom a 429 from this route pauses: `tenant` (default) or `route`.
+    #[serde(default)]
+    pub throttle_scope: ThrottleScope,
 }
 
 #[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq, Eq)]
@@ -130,6 +134,13 @@ pub struct Config {
     pub admin_token: Option<Secret>,
     pub log_format: LogFormat,
     pub provider_timeout_ms: u64,
+    /// Shortest pause after a 429, whatever its `Retry-After` says (`0` or a
+    /// date in the past would retry at once, forever).
+    pub min_retry_after_ms: u64,
+    /// Whom a 429 from the `default` route pauses: `tenant` (the provider
+    /// limits each customer) or `route` (one provider account shared by
+    /// every tenant). Other routes set it under `[routes.<kind>]`.
+    pub throttle_scope: ThrottleScope,
     pub backoff_base_ms: u64,
     pub backoff_max_ms: u64,
     /// Waits up to this long are held in-process; longer ones are parked.
@@ -205,6 +216,8 @@ impl Default for Config {
             admin_token: None,
             log_format: LogFormat::Pretty,
             provider_timeout_ms: 10_000,
+            min_retry_after_ms: 1_000,
+            throttle_scope: ThrottleScope::Tenant,
             backoff_base_ms: 1_000,
             backoff_max_ms: 300_000,
             hold_max_ms: 1_000,
@@ -399,6 +412,7 @@ impl Config {
             unavailable_retry: Duration::from_secs(1),
             quota_recheck: Duration::from_millis(self.quota_recheck_ms),
             default_retry_after: Duration::from_secs(1),
+            min_retry_after: Duration::from_millis(self.min_retry_after_ms),
         })
     }
 
@@ -478,6 +492,7 @@ impl Config {
             let route = RouteConfig {
                 url: url.clone(),
                 eligibility_url: self.eligibility_url.clone(),
+                throttle_scope: self.throttle_scope,
             };
             all.insert("default", route);
         }
@@ -494,7 +509,7 @@ impl Config {
                     .as_ref()
                     .map(|u| parse(kind, u))
                     .transpose()?;
-                Route::new(kind, url, eligibility).map_err(Into::into)
+                Route::new(kind, url, eligibility, route.throttle_scope).map_err(Into::into)
             })
             .collect()
     }
@@ -586,6 +601,43 @@ mod tests {
             jail.set_env("TOLLGATE_REDIS_URL_FILE", "missing");
             let err = Config::load(None).unwrap_err();
             assert!(format!("{err:#}").contains("TOLLGATE_REDIS_URL_FILE: reading missing"));
+            Ok(())
+        });
+    }
+
+    #[test]
+    #[allow(clippy::result_large_err)] // figment's Jail API returns figment::Error
+    fn a_route_says_whom_its_429s_pause() {
+        figment::Jail::expect_with(|jail| {
+            jail.create_file(
+                "tollgate.toml",
+                r#"
+                provider_url = "http://provider.internal/send"
+                [routes.email]
+                url = "http://email.internal/send"
+                throttle_scope = "route"
+                "#,
+            )?;
+            let config = Config::load(Some(Path::new("tollgate.toml"))).expect("loads");
+            let scopes: Vec<_> = config
+                .routes()
+                .unwrap()
+                .iter()
+                .map(|r| (r.kind.clone(), r.throttle_scope))
+                .collect();
+            assert_eq!(
+                scopes,
+                [
+                    ("default".to_owned(), ThrottleScope::Tenant),
+                    ("email".to_owned(), ThrottleScope::Route)
+                ]
+            );
+            jail.set_env("TOLLGATE_THROTTLE_SCOPE", "everyone");
+            let err = format!("{:#}", Config::load(None).unwrap_err());
+            assert!(
+                err.contains("throttle_scope") || err.contains("everyone"),
+                "{err}"
+            );
             Ok(())
         });
     }

@@ -14,6 +14,7 @@ pub mod http;
 pub mod logging;
 pub mod metrics;
 pub mod system_clock;
+pub mod throttles;
 pub mod worker;
 
 pub use config::Config;

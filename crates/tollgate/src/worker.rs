@@ -25,7 +25,7 @@ use tollgate_amqp::lapin::message::Delivery;
 use tollgate_amqp::{Broker, ConsumerControl, Topology};
 use tollgate_core::job::{Limits, decode};
 use tollgate_core::outcome::classify;
-use tollgate_core::ports::{PermitRequest, PermitStore, Provider, ProviderCall};
+use tollgate_core::ports::{Penalty, PermitRequest, PermitStore, Provider, ProviderCall};
 use tollgate_core::{
     Action, Clock, Completion, DeadReason, Job, JobRun, Malformed, ParkReason, PermitDecision,
     Policy, Progress, ProviderOutcome, UnixMillis,
@@ -39,6 +39,7 @@ use crate::config::{Config, SecretUrl};
 use crate::holds::HoldGate;
 use crate::metrics::{Metrics, UNKNOWN_TENANT};
 use crate::system_clock::SystemClock;
+use crate::throttles::LocalThrottles;
 
 /// How one delivery was settled.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -72,6 +73,8 @@ pub struct Worker<P, V> {
     /// Set on shutdown: held jobs park at once instead of waiting.
     stopping: watch::Sender<bool>,
     holds: HoldGate,
+    /// 429s this pod saw, to hold back the sends it had already reserved.
+    throttles: LocalThrottles,
     /// Optional per-pod ceiling on provider calls (governor, local only).
     ceiling: Option<DefaultDirectRateLimiter>,
     /// Re-seeds the quota baseline into Redis when quotas go missing.
@@ -144,6 +147,7 @@ impl LiveWorker {
             consuming: AtomicBool::new(false),
             stopping: watch::channel(false).0,
             holds: HoldGate::new(config.tenant_hold_max),
+            throttles: LocalThrottles::default(),
             seeder,
             ceiling: config.pod_max_rate()?.map(|rate| {
                 let period = Duration::from_micros(rate.interval_micros());
@@ -560,6 +564,16 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
                     run.on_permit(&self.policy, decision, now)
                 }
                 Action::CallProvider => {
+                    let scope = self.provider.throttle_scope(job);
+                    if let Some(until) =
+                        self.throttles
+                            .paused_until(scope, &job.tenant, &job.kind, now)
+                    {
+                        // Reserved before a 429 this pod saw: hold it back.
+                        self.complete_permit(request, false, None).await;
+                        action = run.hold_back(&self.policy, until, now);
+                        continue;
+                    }
                     let attempt = run.attempt();
                     if attempt == 1 {
                         self.metrics.due_lag(tenant, run.due_reference().until(now));
@@ -573,7 +587,11 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
                     let sent = matches!(outcome, ProviderOutcome::Sent);
                     let penalty = match &outcome {
                         ProviderOutcome::Throttled { retry_after } => {
-                            Some(retry_after.unwrap_or(self.policy.default_retry_after))
+                            let wait = self.policy.throttle_wait(*retry_after);
+                            let until = now.saturating_add(wait);
+                            self.throttles
+                                .record(scope, &job.tenant, &job.kind, now, until);
+                            Some(Penalty { wait, scope })
                         }
                         _ => None,
                     };
@@ -615,7 +633,7 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
         &self,
         request: PermitRequest<'_>,
         sent: bool,
-        penalty: Option<Duration>,
+        penalty: Option<Penalty>,
     ) {
         for attempt in 1..=3u32 {
             match self.permits.complete(request, sent, penalty).await {

@@ -18,7 +18,7 @@
 -- KEYS[12] route quota hash    count period_ms burst
 -- KEYS[13] route tat
 -- KEYS[14] route waiting
--- KEYS[15] route penalty
+-- KEYS[15] route penalty       provider 429 on a route whose 429s are account-wide
 --
 -- ARGV[1..3] default quota from config (count, period_ms, burst)
 -- ARGV[4]  lease token of this attempt
@@ -95,31 +95,37 @@ local function respace(place, old, b)
 end
 
 -- The bucket's TAT, clamped so a quota change applies at once (under a steady
--- quota it never exceeds the clamp), then pushed past any 429 penalty.
-local function load_tat(tat_key, penalty_key, b)
+-- quota it never exceeds the clamp).
+local function load_tat(tat_key, b)
   local tat = tonumber(redis.call('GET', tat_key)) or now
   if tat < now then tat = now end
   local cap = now + horizon + b[1] * b[2]
   if tat > cap then tat = cap end
-  local penalty = tonumber(redis.call('GET', penalty_key))
-  if penalty and penalty > tat then tat = penalty end
   return tat
 end
 
--- Microseconds until the bucket allows a send.
+-- A provider 429 (Retry-After) on the tenant, or on the whole route when its
+-- 429s are account-wide: no send before this instant, whatever the burst.
+local penalty = math.max(tonumber(redis.call('GET', KEYS[4])) or 0,
+                         tonumber(redis.call('GET', KEYS[15])) or 0)
+
+-- Microseconds until the bucket (and the penalty) allow a send.
 local function delay_of(tat, b)
-  local d = tat - b[1] * (b[2] - 1) - now
+  local d = math.max(tat - b[1] * (b[2] - 1), penalty) - now
   if d < 0 then return 0 end
   return d
 end
 
 -- Virtual slots for a denied job: n slots in the bucket's queue of waiting
--- jobs, one interval apart, starting at the first slot after tat.
+-- jobs, one interval apart, starting at the first slot after tat (and not
+-- before the penalty ends).
 local function waiting_slots(waiting_key, tat, b, n)
   local v = redis.call('HMGET', waiting_key, 'at', 'iv')
   local at = tonumber(v[1])
   if at then at = respace(at, tonumber(v[2]), b) end  -- the quota changed: re-space the line
   if not at or at < tat then at = tat end
+  local floor = penalty + b[1] * (b[2] - 1)
+  if at < floor then at = floor end
   local next_at = at + b[1] * n
   redis.call('HSET', waiting_key, 'at', string.format('%.0f', next_at), 'iv', string.format('%.3f', b[1]))
   redis.call('PEXPIRE', waiting_key, math.ceil((next_at - now) / 1000) + 1000)
@@ -128,11 +134,11 @@ local function waiting_slots(waiting_key, tat, b, n)
   return retry
 end
 
-local tenant_tat = load_tat(KEYS[2], KEYS[4], tenant)
+local tenant_tat = load_tat(KEYS[2], tenant)
 local delay = delay_of(tenant_tat, tenant)
 local route_tat, route_delay = 0, 0
 if route then
-  route_tat = load_tat(KEYS[13], KEYS[15], route)
+  route_tat = load_tat(KEYS[13], route)
   route_delay = delay_of(route_tat, route)
 end
 
