@@ -191,7 +191,6 @@ proptest! {
 #[test]
 fn a_tenant_scoped_429_leaves_other_tenants_of_the_route_alone() {
     let quota = Quota::new("10/s".parse().unwrap(), 1).unwrap();
-    let throttle = Some((0, Duration::from_secs(2), ThrottleScope::Tenant));
     // `noisy` was throttled, not `prop`: its requests go on at its pace.
     let runtime = runtime();
     let sends = runtime.block_on(async {
@@ -217,7 +216,7 @@ fn a_tenant_scoped_429_leaves_other_tenants_of_the_route_alone() {
             lease_token: "t",
             returning: None,
         };
-        let (_, wait, scope) = throttle.unwrap();
+        let (wait, scope) = (Duration::from_secs(2), ThrottleScope::Tenant);
         permits
             .record(req(&noisy), false, Some(Penalty { wait, scope }), Some(T0))
             .await
