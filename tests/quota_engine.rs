@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tollgate::fake_provider::Received;
-use tollgate_core::{Kind, TenantId};
+use tollgate_core::{JobId, Kind, TenantId};
 use tollgate_quota::{Change, Target};
 use tollgate_tests::{FakeProvider, Reply, TestEnv, fake_provider, max_in_window, wait_for};
 
@@ -660,6 +660,79 @@ async fn a_pod_ceiling_caps_one_pod_below_generous_quotas() {
         "{worst} calls in one second from a pod capped at 5/s"
     );
     assert_eq!(sent_keys(&provider.received()).len(), 20);
+    worker.stop().await.unwrap();
+    env.cleanup().await;
+}
+
+/// A cancellation once expired after 7 days, so a job due in 30 days was
+/// sent anyway. Now it waits for its job (`cancel_ttl_s`, 400 days), and
+/// once the job is seen and skipped it is kept as long as a sent record, so
+/// another copy of the job is skipped too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancel_outlives_its_job_and_every_copy_of_it() {
+    let provider = FakeProvider::start(fake_provider::always_ok())
+        .await
+        .unwrap();
+    let env = TestEnv::new(&provider.url()).await;
+    let keys = env.quotas.keys().clone();
+    let acme = TenantId::parse("acme").unwrap();
+    let cancel = |id: &str| {
+        let args = tollgate::cli::CancelArgs {
+            tenant: "acme".into(),
+            job_id: Some(id.into()),
+            idempotency_key: None,
+        };
+        let config = env.config.clone();
+        async move { tollgate::cli::cancel(&config, &args).await }
+    };
+
+    let later = env
+        .publish("acme", 1, |a| {
+            a.due_in = Some(Duration::from_secs(30 * 86_400))
+        })
+        .await;
+    cancel(later[0].id.as_str()).await.unwrap();
+    let kept = tollgate_tests::pttl(&env.config, &keys.cancelled_id(&acme, &later[0].id)).await;
+    let due_in_ms = 30 * 86_400 * 1000;
+    assert!(
+        kept > due_in_ms + 86_400 * 1000,
+        "the cancel of a job due in 30 days must outlive it by a margin; kept {kept} ms"
+    );
+
+    let worker = env.spawn_worker().await;
+    // Cancelled before it is even published: the cancel waits for it.
+    cancel("due-now").await.unwrap();
+    env.publish("acme", 1, |a| a.id = Some("due-now".into()))
+        .await;
+    wait_for("the job to be skipped", Duration::from_secs(20), || async {
+        worker
+            .metrics
+            .counter_sum("tollgate_jobs_completed_total", &[("outcome", "skipped")])
+            >= 1.0
+    })
+    .await;
+    let key = keys.cancelled_id(&acme, &JobId::parse("due-now").unwrap());
+    let kept = tollgate_tests::pttl(&env.config, &key).await;
+    let sent_ttl_ms = (env.config.sent_ttl_s * 1000) as i64;
+    assert!(
+        kept > 0 && kept <= sent_ttl_ms,
+        "seen: kept as long as a sent record ({sent_ttl_ms} ms), got {kept}"
+    );
+    // Another copy of the same job (a producer retry) is skipped too.
+    env.publish("acme", 1, |a| a.id = Some("due-now".into()))
+        .await;
+    wait_for(
+        "the copy to be skipped",
+        Duration::from_secs(20),
+        || async {
+            worker
+                .metrics
+                .counter_sum("tollgate_jobs_completed_total", &[("outcome", "skipped")])
+                >= 2.0
+        },
+    )
+    .await;
+    assert!(provider.received().is_empty(), "nothing cancelled was sent");
     worker.stop().await.unwrap();
     env.cleanup().await;
 }

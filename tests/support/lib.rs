@@ -427,3 +427,15 @@ pub fn effects(received: &[Received]) -> (std::collections::HashSet<String>, usi
     let repeats = ok.len() - keys.len();
     (keys, repeats)
 }
+
+/// `PTTL` of a Redis key on this env's Redis, in milliseconds (-2: absent,
+/// -1: no expiry).
+pub async fn pttl(config: &Config, key: &str) -> i64 {
+    let redis = tollgate_quota::Redis::new(&config.redis_settings()).expect("redis config");
+    let mut conn = redis.conn().await.expect("redis reachable");
+    tollgate_quota::redis_cmd("PTTL")
+        .arg(key)
+        .query_async(&mut conn)
+        .await
+        .expect("PTTL")
+}

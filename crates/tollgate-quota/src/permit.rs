@@ -249,6 +249,7 @@ impl RedisPermits {
                     .map(|i| micros(i).to_string())
                     .unwrap_or_default(),
             )
+            .arg(s.sent_ttl.as_millis() as u64)
             .invoke_async(&mut conn)
             .await
             .map_err(|e| self.redis.classify(e))?;

@@ -166,7 +166,10 @@ pub struct Config {
     /// Optional ceiling on this pod's provider calls (e.g. "500/s"),
     /// enforced locally on top of the fleet-wide quotas.
     pub pod_max_rate: Option<String>,
-    /// How long a cancellation is remembered.
+    /// How long a cancellation waits for its job to come up. Once the job
+    /// is seen (and skipped), the cancellation is kept `sent_ttl_s` longer,
+    /// for other copies of it. Longer than any schedule you use: a job due
+    /// after its cancellation was forgotten is sent.
     pub cancel_ttl_s: u64,
     /// The quota baseline (TOML) seeded into Redis when quotas are missing.
     pub quotas_file: Option<String>,
@@ -230,7 +233,7 @@ impl Default for Config {
             denial_block: 8,
             denial_cache_ms: 1_000,
             pod_max_rate: None,
-            cancel_ttl_s: 7 * 24 * 3600,
+            cancel_ttl_s: 400 * 24 * 3600,
             quotas_file: None,
             quota_seed_interval_ms: 30_000,
             shards: 4,

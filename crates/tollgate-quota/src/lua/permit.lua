@@ -31,6 +31,7 @@
 -- ARGV[11] "now" override in microseconds, for tests only ("" = Redis TIME)
 -- ARGV[12] a job back from a quota wait: microseconds still left to its place ("" = fresh job)
 -- ARGV[13] the spacing its place was computed with, microseconds ("" = unknown)
+-- ARGV[14] how long a seen cancellation is kept for other copies, milliseconds
 --
 -- Reply {code, a, b, c}:
 --   {0, delay, shadow, send}    granted at now + delay = send (microseconds since the epoch, Redis
@@ -55,7 +56,17 @@ local horizon = tonumber(ARGV[5])
 local pacing = tonumber(ARGV[7])
 
 if redis.call('EXISTS', KEYS[7]) == 1 then return {2} end
-if redis.call('EXISTS', KEYS[9]) == 1 or redis.call('EXISTS', KEYS[10]) == 1 then return {5} end
+-- A cancellation waits (up to cancel_ttl) for its job; once the job is seen it
+-- is kept as long as a sent record, so other copies are skipped too.
+local cancelled = false
+for i = 9, 10 do
+  if redis.call('EXISTS', KEYS[i]) == 1 then
+    cancelled = true
+    local ttl = redis.call('PTTL', KEYS[i])
+    if ttl < 0 or ttl > tonumber(ARGV[14]) then redis.call('PEXPIRE', KEYS[i], ARGV[14]) end
+  end
+end
+if cancelled then return {5} end
 
 local holder = redis.call('GET', KEYS[8])
 if holder and holder ~= ARGV[4] then
