@@ -10,8 +10,14 @@ use tollgate_tests::{
 
 /// Runs `tollgate <args>` against this test's prefix; returns stdout.
 fn tollgate(env: &TestEnv, args: &[&str]) -> String {
+    tollgate_with(env, args, &[])
+}
+
+/// [`tollgate`] with more environment variables.
+fn tollgate_with(env: &TestEnv, args: &[&str], vars: &[(&str, &str)]) -> String {
     let out = Command::new(tollgate_bin())
         .args(args)
+        .envs(vars.iter().copied())
         .env("TOLLGATE_PREFIX", &env.config.prefix)
         .env("TOLLGATE_SHARDS", env.config.shards.to_string())
         .output()
@@ -46,6 +52,28 @@ async fn the_binary_runs_a_worker_and_every_verb_works() {
         out.starts_with("tenant:acme: 50/s burst 2 (changed by cli:"),
         "{out}"
     );
+    // Who acted: --actor, else $USER@hostname (it was `cli:unknown`).
+    tollgate(
+        &env,
+        &[
+            "quota", "set", "alice-t", "--rate", "5/s", "--actor", "alice",
+        ],
+    );
+    tollgate_with(&env, &["tenant", "pause", "alice-t"], &[("USER", "bob")]);
+    let out = tollgate(&env, &["quota", "history", "alice-t"]);
+    let whos: Vec<&str> = out
+        .lines()
+        .filter_map(|l| l.split_whitespace().nth(3))
+        .collect();
+    assert_eq!(whos.len(), 2, "{out}");
+    assert!(whos[0].starts_with("cli:bob@"), "{out}");
+    assert_eq!(whos[1], "cli:alice", "{out}");
+    let bad = Command::new(tollgate_bin())
+        .args(["tenant", "resume", "alice-t", "--actor", ""])
+        .env("TOLLGATE_PREFIX", &env.config.prefix)
+        .output()
+        .unwrap();
+    assert_eq!(bad.status.code(), Some(64), "an empty --actor is bad usage");
     let out = tollgate(&env, &["quota", "get", "nobody"]);
     assert!(
         out.contains("the default 10/s burst 1 (from config) applies"),

@@ -683,7 +683,10 @@ async fn a_cancel_outlives_its_job_and_every_copy_of_it() {
             idempotency_key: None,
         };
         let config = env.config.clone();
-        async move { tollgate::cli::cancel(&config, &args).await }
+        async move {
+            let actor = tollgate::cli::cli_actor(Some("test")).unwrap();
+            tollgate::cli::cancel(&config, &args, &actor).await
+        }
     };
 
     let later = env

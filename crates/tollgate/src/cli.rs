@@ -33,6 +33,11 @@ pub struct Cli {
     #[arg(long, global = true, env = "TOLLGATE_CONFIG")]
     pub config: Option<PathBuf>,
 
+    /// Who is acting, for the audit trail of quota, tenant and cancel
+    /// changes (default: $USER@hostname).
+    #[arg(long, global = true, env = "TOLLGATE_ACTOR")]
+    pub actor: Option<String>,
+
     #[command(subcommand)]
     pub command: Command,
 }
@@ -439,12 +444,34 @@ pub async fn publish(config: &Config, args: &PublishArgs) -> anyhow::Result<()> 
     Ok(())
 }
 
-fn cli_actor() -> Actor {
-    let user = std::env::var("USER").unwrap_or_else(|_| "unknown".into());
-    Actor {
-        who: format!("cli:{user}"),
+/// Who a CLI change is recorded as: `cli:<--actor>`, else
+/// `cli:$USER@hostname`, so the audit trail answers "who did this".
+pub fn cli_actor(explicit: Option<&str>) -> anyhow::Result<Actor> {
+    let name = match explicit {
+        Some(name) => {
+            if name.is_empty() || name.chars().count() > 64 || name.chars().any(char::is_control) {
+                bail!("--actor {name:?} must be 1 to 64 characters, without control characters");
+            }
+            name.to_owned()
+        }
+        None => {
+            let user = ["USER", "LOGNAME"]
+                .iter()
+                .find_map(|v| std::env::var(v).ok().filter(|u| !u.is_empty()))
+                .unwrap_or_else(|| "unknown".into());
+            let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+                .ok()
+                .or_else(|| std::env::var("HOSTNAME").ok())
+                .map(|h| h.trim().to_owned())
+                .filter(|h| !h.is_empty())
+                .unwrap_or_else(|| "unknown-host".into());
+            format!("{user}@{host}")
+        }
+    };
+    Ok(Actor {
+        who: format!("cli:{name}"),
         source: "cli",
-    }
+    })
 }
 
 impl TargetArgs {
@@ -529,9 +556,8 @@ async fn effective_default(store: &QuotaStore, config: &Config) -> anyhow::Resul
     )
 }
 
-pub async fn quota(config: &Config, command: &QuotaCommand) -> anyhow::Result<()> {
+pub async fn quota(config: &Config, command: &QuotaCommand, actor: &Actor) -> anyhow::Result<()> {
     let store = quota_store(config)?;
-    let actor = cli_actor();
     match command {
         QuotaCommand::Set {
             target,
@@ -553,7 +579,7 @@ pub async fn quota(config: &Config, command: &QuotaCommand) -> anyhow::Result<()
                     concurrency: *concurrency,
                 },
             };
-            let (old, new) = store.apply(&target, change, &actor).await?;
+            let (old, new) = store.apply(&target, change, actor).await?;
             print_change(&target, &old, &new);
         }
         QuotaCommand::Get { target } => {
@@ -585,7 +611,7 @@ pub async fn quota(config: &Config, command: &QuotaCommand) -> anyhow::Result<()
             } else {
                 Change::Delete
             };
-            let (old, new) = store.apply(&target, change, &actor).await?;
+            let (old, new) = store.apply(&target, change, actor).await?;
             print_change(&target, &old, &new);
         }
         QuotaCommand::Default { rate, burst } => match rate {
@@ -594,7 +620,7 @@ pub async fn quota(config: &Config, command: &QuotaCommand) -> anyhow::Result<()
                     quota: parse_quota(rate, *burst)?,
                     concurrency: None,
                 };
-                let (old, new) = store.apply(&Target::Default, change, &actor).await?;
+                let (old, new) = store.apply(&Target::Default, change, actor).await?;
                 print_change(&Target::Default, &old, &new);
             }
             None => println!("default: {}", effective_default(&store, config).await?),
@@ -637,14 +663,14 @@ pub async fn quota(config: &Config, command: &QuotaCommand) -> anyhow::Result<()
     Ok(())
 }
 
-pub async fn tenant(config: &Config, command: &TenantCommand) -> anyhow::Result<()> {
+pub async fn tenant(config: &Config, command: &TenantCommand, actor: &Actor) -> anyhow::Result<()> {
     let store = quota_store(config)?;
     let (tenant, change) = match command {
         TenantCommand::Pause { tenant } => (tenant, Change::Pause),
         TenantCommand::Resume { tenant } => (tenant, Change::Resume),
     };
     let target = Target::Tenant(TenantId::parse(tenant.as_str()).context("tenant")?);
-    let (_, new) = store.apply(&target, change, &cli_actor()).await?;
+    let (_, new) = store.apply(&target, change, actor).await?;
     println!(
         "{}: {}",
         target.label(),
@@ -653,7 +679,7 @@ pub async fn tenant(config: &Config, command: &TenantCommand) -> anyhow::Result<
     Ok(())
 }
 
-pub async fn cancel(config: &Config, args: &CancelArgs) -> anyhow::Result<()> {
+pub async fn cancel(config: &Config, args: &CancelArgs, actor: &Actor) -> anyhow::Result<()> {
     let store = quota_store(config)?;
     let tenant = TenantId::parse(args.tenant.as_str()).context("--tenant")?;
     let by = match (&args.job_id, &args.idempotency_key) {
@@ -668,7 +694,7 @@ pub async fn cancel(config: &Config, args: &CancelArgs) -> anyhow::Result<()> {
             &tenant,
             &by,
             Duration::from_secs(config.cancel_ttl_s),
-            &cli_actor(),
+            actor,
         )
         .await?;
     println!("cancelled {by:?} for tenant {tenant}: skipped at its turn, using no quota");

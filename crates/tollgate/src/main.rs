@@ -8,6 +8,7 @@ use clap::Parser;
 use tollgate::cli::{self, Cli, Command};
 use tollgate::config::Config;
 use tollgate::{LiveWorker, Metrics, http, logging};
+use tollgate_quota::Actor;
 
 const EXIT_CONFIG: u8 = 64;
 
@@ -26,7 +27,14 @@ async fn main() -> ExitCode {
         _ => "warn",
     };
     logging::init(config.log_format, default_level);
-    match run(args.command, config).await {
+    let actor = match cli::cli_actor(args.actor.as_deref()) {
+        Ok(actor) => actor,
+        Err(e) => {
+            eprintln!("tollgate: {e:#}");
+            return ExitCode::from(EXIT_CONFIG);
+        }
+    };
+    match run(args.command, &actor, config).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("tollgate: {e:#}");
@@ -35,13 +43,13 @@ async fn main() -> ExitCode {
     }
 }
 
-async fn run(command: Command, config: Config) -> anyhow::Result<()> {
+async fn run(command: Command, actor: &Actor, config: Config) -> anyhow::Result<()> {
     match command {
         Command::Worker => worker(config).await,
         Command::Publish(args) => cli::publish(&config, &args).await,
-        Command::Quota(cmd) => cli::quota(&config, &cmd).await,
-        Command::Tenant(cmd) => cli::tenant(&config, &cmd).await,
-        Command::Cancel(args) => cli::cancel(&config, &args).await,
+        Command::Quota(cmd) => cli::quota(&config, &cmd, actor).await,
+        Command::Tenant(cmd) => cli::tenant(&config, &cmd, actor).await,
+        Command::Cancel(args) => cli::cancel(&config, &args, actor).await,
         Command::Topology(cmd) => cli::topology(&config, &cmd).await,
         Command::Dlq(cmd) => cli::dlq(&config, &cmd).await,
         Command::Demo(args) => tollgate::demo::run(&config, &args).await,
