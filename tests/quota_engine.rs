@@ -629,6 +629,29 @@ async fn the_quota_baseline_survives_losing_redis_and_never_overrides_a_live_cha
     let baseline = tollgate::baseline::Baseline::load(&file.display().to_string()).unwrap();
     baseline.seed(&env.quotas, true).await.unwrap();
     assert_eq!(stored(acme.clone()).await, Some(quota("7/s", 1)));
+
+    // A deliberate delete sticks: the seeder (every 200 ms) does not bring
+    // the quota back, and the delete says why…
+    env.change(acme.clone(), Change::Delete).await;
+    assert!(env.quotas.in_baseline(&acme).await.unwrap());
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    assert_eq!(
+        stored(acme.clone()).await,
+        None,
+        "a deleted quota came back"
+    );
+    // …until the baseline's entry for it changes (the file is re-read).
+    std::fs::write(
+        &file,
+        "[default]\nrate = \"3/s\"\n\n[tenants.acme]\nrate = \"8/s\"\n\n[routes.default]\nrate = \"50/s\"\n",
+    )
+    .unwrap();
+    wait_for(
+        "the changed entry seeded",
+        Duration::from_secs(10),
+        || async { stored(acme.clone()).await == Some(quota("8/s", 1)) },
+    )
+    .await;
     worker.stop().await.unwrap();
     let _ = std::fs::remove_dir_all(&dir);
     env.cleanup().await;

@@ -116,6 +116,12 @@ impl Keys {
         format!("{}:routes", self.prefix)
     }
 
+    /// Hash: target label → fingerprint of the quota-baseline entry last
+    /// applied to it, so a deleted quota is not seeded back.
+    pub fn baseline_applied(&self) -> String {
+        format!("{}:baseline-applied", self.prefix)
+    }
+
     /// Stream of every quota change: who, when, old → new.
     pub fn audit(&self) -> String {
         format!("{}:audit", self.prefix)

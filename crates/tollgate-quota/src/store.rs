@@ -236,26 +236,73 @@ impl QuotaStore {
         change: Change,
         actor: &Actor,
     ) -> Result<(Settings, Settings), QuotaError> {
+        let (old, new, _) = self.change(target, change, actor, None).await?;
+        Ok((old, new))
+    }
+
+    /// Applies a quota-baseline entry (identified by `fingerprint`) if the
+    /// target holds no quota and this entry was not applied before, or
+    /// always with `overwrite`. Returns whether it wrote.
+    pub async fn seed(
+        &self,
+        target: &Target,
+        change: Change,
+        fingerprint: &str,
+        overwrite: bool,
+        actor: &Actor,
+    ) -> Result<bool, QuotaError> {
+        let seed = Some((fingerprint, overwrite));
+        let (_, _, written) = self.change(target, change, actor, seed).await?;
+        Ok(written)
+    }
+
+    /// Whether the quota baseline has an entry for `target` (one was
+    /// applied, or found overridden by a live quota).
+    pub async fn in_baseline(&self, target: &Target) -> Result<bool, QuotaError> {
+        let mut conn = self.redis.conn().await?;
+        conn.hexists(self.keys.baseline_applied(), target.label())
+            .await
+            .map_err(|e| self.redis.classify(e))
+    }
+
+    async fn change(
+        &self,
+        target: &Target,
+        change: Change,
+        actor: &Actor,
+        seed: Option<(&str, bool)>,
+    ) -> Result<(Settings, Settings, bool), QuotaError> {
         let (index, member) = target.index(&self.keys);
         let mut invocation = self.change.key(target.hash(&self.keys));
         invocation
             .key(self.keys.audit())
             .key(index)
+            .key(self.keys.baseline_applied())
             .arg(target.label())
             .arg(change.action())
             .arg(&actor.who)
             .arg(actor.source)
             .arg(member)
-            .arg(AUDIT_MAX_LEN);
+            .arg(AUDIT_MAX_LEN)
+            .arg(seed.map(|(fingerprint, _)| fingerprint).unwrap_or(""))
+            .arg(if seed.is_some_and(|(_, overwrite)| overwrite) {
+                "1"
+            } else {
+                "0"
+            });
         for (field, value) in change.fields() {
             invocation.arg(field).arg(value);
         }
         let mut conn = self.redis.conn().await?;
-        let (old, new): (String, String) = invocation
+        let (old, new, written): (String, String, i64) = invocation
             .invoke_async(&mut conn)
             .await
             .map_err(|e| self.redis.classify(e))?;
-        Ok((parse_json(target, &old)?, parse_json(target, &new)?))
+        Ok((
+            parse_json(target, &old)?,
+            parse_json(target, &new)?,
+            written == 1,
+        ))
     }
 
     pub async fn get(&self, target: &Target) -> Result<Option<Settings>, QuotaError> {

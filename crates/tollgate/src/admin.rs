@@ -324,7 +324,28 @@ async fn delete_tenant(
     Path(name): Path<String>,
     headers: HeaderMap,
 ) -> ApiResult {
-    apply(&state, &tenant(&name)?, Change::Delete, &headers).await
+    delete(&state, &tenant(&name)?, &headers).await
+}
+
+/// A delete, saying when the quota baseline names the target (the delete
+/// stands until the baseline's entry changes).
+async fn delete(state: &AdminState, target: &Target, headers: &HeaderMap) -> ApiResult {
+    let (old, new) = state
+        .store
+        .apply(target, Change::Delete, &actor(headers))
+        .await?;
+    let mut body = json!({
+        "target": target.label(),
+        "action": Change::Delete.action(),
+        "old": settings_json(&old),
+        "new": settings_json(&new),
+    });
+    if state.store.in_baseline(target).await? {
+        body["note"] = crate::cli::BASELINE_DELETE_NOTE
+            .replace("{target}", &target.label())
+            .into();
+    }
+    Ok(Json(body).into_response())
 }
 
 async fn put_shadow(
@@ -387,7 +408,7 @@ async fn delete_route(
     Path(name): Path<String>,
     headers: HeaderMap,
 ) -> ApiResult {
-    apply(&state, &route(&name)?, Change::Delete, &headers).await
+    delete(&state, &route(&name)?, &headers).await
 }
 
 #[derive(Deserialize)]

@@ -3,8 +3,11 @@
 //! whenever a quota it names is missing — after a Redis restart or failover
 //! lost the live state. Live changes override it (seeding never overwrites a
 //! stored quota) until an operator deliberately resets to it
-//! (`tollgate quota seed --overwrite`). `tollgate quota export` writes the
-//! live state in the same format.
+//! (`tollgate quota seed --overwrite`). A deliberate `quota delete` stands
+//! too: Redis remembers which version of each entry was applied, and only a
+//! changed entry (or lost Redis state) is seeded again. Workers re-read the
+//! file at every pass, so an edited ConfigMap applies without a restart.
+//! `tollgate quota export` writes the live state in the same format.
 //!
 //! ```toml
 //! [default]
@@ -55,6 +58,17 @@ fn one() -> u32 {
 }
 
 impl Entry {
+    /// Names this version of the entry: a changed entry is seeded again
+    /// even where its quota was deleted.
+    fn fingerprint(&self) -> String {
+        format!(
+            "rate={};burst={};concurrency={}",
+            self.rate,
+            self.burst,
+            self.concurrency.map(|c| c.to_string()).unwrap_or_default()
+        )
+    }
+
     fn from_settings(s: &Settings) -> Option<Self> {
         s.quota.map(|q| Self {
             rate: q.rate.to_string(),
@@ -84,8 +98,8 @@ impl Baseline {
         Ok(baseline)
     }
 
-    /// Every entry as a validated (target, change).
-    pub fn changes(&self) -> anyhow::Result<Vec<(Target, Change)>> {
+    /// Every entry as a validated (target, change, fingerprint).
+    pub fn changes(&self) -> anyhow::Result<Vec<(Target, Change, String)>> {
         let change = |e: &Entry| -> anyhow::Result<Change> {
             Ok(Change::SetQuota {
                 quota: parse_quota(&e.rate, e.burst)?,
@@ -98,7 +112,7 @@ impl Baseline {
                 d.concurrency.is_none(),
                 "[default]: concurrency applies to tenants"
             );
-            out.push((Target::Default, change(d)?));
+            out.push((Target::Default, change(d)?, d.fingerprint()));
         }
         for (name, e) in &self.tenants {
             let tenant =
@@ -106,6 +120,7 @@ impl Baseline {
             out.push((
                 Target::Tenant(tenant),
                 change(e).with_context(|| format!("[tenants.{name}]"))?,
+                e.fingerprint(),
             ));
         }
         for (name, e) in &self.routes {
@@ -117,20 +132,23 @@ impl Baseline {
             out.push((
                 Target::Route(route),
                 change(e).with_context(|| format!("[routes.{name}]"))?,
+                e.fingerprint(),
             ));
         }
         Ok(out)
     }
 
-    /// Writes every entry whose quota Redis does not hold (all of them with
-    /// `overwrite`); returns the targets written. Pause, shadow quotas and
-    /// anything not in the baseline are left alone.
+    /// Writes every entry whose quota Redis does not hold, unless that
+    /// same entry was applied before and its quota deliberately deleted
+    /// since (all of them with `overwrite`); returns the targets written.
+    /// Pause, shadow quotas and anything not in the baseline are left alone.
     pub async fn seed(&self, store: &QuotaStore, overwrite: bool) -> anyhow::Result<Vec<Target>> {
         let mut written = Vec::new();
-        for (target, change) in self.changes()? {
-            let stored = store.get(&target).await?.and_then(|s| s.quota);
-            if stored.is_none() || overwrite {
-                store.apply(&target, change, &actor()).await?;
+        for (target, change, fingerprint) in self.changes()? {
+            if store
+                .seed(&target, change, &fingerprint, overwrite, &actor())
+                .await?
+            {
                 written.push(target);
             }
         }

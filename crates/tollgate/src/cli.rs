@@ -516,6 +516,11 @@ pub async fn set_tenant_quota(
     Ok(())
 }
 
+/// What a delete of a target the quota baseline names means.
+pub const BASELINE_DELETE_NOTE: &str = "{target} is in the quota baseline: this delete stands \
+    (workers do not seed it back) until the baseline's entry for it changes, \
+    or `tollgate quota seed --overwrite` resets to it";
+
 /// Parses `--rate` and `--burst` into a quota.
 pub fn parse_quota(rate: &str, burst: u32) -> anyhow::Result<Quota> {
     let rate: Rate = rate.parse().context("--rate")?;
@@ -613,6 +618,12 @@ pub async fn quota(config: &Config, command: &QuotaCommand, actor: &Actor) -> an
             };
             let (old, new) = store.apply(&target, change, actor).await?;
             print_change(&target, &old, &new);
+            if !shadow && store.in_baseline(&target).await? {
+                println!(
+                    "{}",
+                    BASELINE_DELETE_NOTE.replace("{target}", &target.label())
+                );
+            }
         }
         QuotaCommand::Default { rate, burst } => match rate {
             Some(rate) => {

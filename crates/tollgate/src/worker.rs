@@ -78,11 +78,14 @@ pub struct Worker<P, V> {
     /// Optional per-pod ceiling on provider calls (governor, local only).
     ceiling: Option<DefaultDirectRateLimiter>,
     /// Re-seeds the quota baseline into Redis when quotas go missing.
-    seeder: Option<Seeder>,
+    seeder: std::sync::Mutex<Option<Seeder>>,
 }
 
 /// The quota baseline and how often to make sure Redis holds it.
 struct Seeder {
+    /// The file, re-read at every pass (a ConfigMap changes in place).
+    path: String,
+    /// The last version of it that parsed.
     baseline: Baseline,
     store: QuotaStore,
     every: Duration,
@@ -90,8 +93,15 @@ struct Seeder {
 
 impl Seeder {
     /// Seeds now and then every `every`, until the worker stops.
-    async fn run(&self, mut stopping: watch::Receiver<bool>) {
+    async fn run(mut self, mut stopping: watch::Receiver<bool>) {
         loop {
+            match Baseline::load(&self.path) {
+                Ok(baseline) => self.baseline = baseline,
+                Err(e) => warn!(
+                    error = format!("{e:#}"),
+                    "the quota baseline no longer parses: seeding its last good version"
+                ),
+            }
             match self.baseline.seed(&self.store, false).await {
                 Ok(written) if !written.is_empty() => {
                     let targets: Vec<String> = written.iter().map(Target::label).collect();
@@ -119,6 +129,7 @@ impl LiveWorker {
     pub fn new(config: &Config, metrics: Metrics) -> anyhow::Result<Self> {
         let redis = Arc::new(Redis::new(&config.redis_settings())?);
         let seeder = config.baseline()?.map(|baseline| Seeder {
+            path: config.quotas_file.clone().expect("a baseline has a file"),
             baseline,
             store: QuotaStore::new(Arc::clone(&redis), Keys::new(&config.prefix)),
             every: Duration::from_millis(config.quota_seed_interval_ms),
@@ -148,7 +159,7 @@ impl LiveWorker {
             stopping: watch::channel(false).0,
             holds: HoldGate::new(config.tenant_hold_max),
             throttles: LocalThrottles::default(),
-            seeder,
+            seeder: std::sync::Mutex::new(seeder),
             ceiling: config.pod_max_rate()?.map(|rate| {
                 let period = Duration::from_micros(rate.interval_micros());
                 RateLimiter::direct(
@@ -236,15 +247,8 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
         let mut tasks = JoinSet::new();
         tokio::pin!(shutdown);
         let mut failures = 0u32;
-        let seeding = self.seeder.is_some().then(|| {
-            let worker = Arc::clone(&self);
-            let stopping = self.stopping.subscribe();
-            tokio::spawn(async move {
-                if let Some(seeder) = &worker.seeder {
-                    seeder.run(stopping).await;
-                }
-            })
-        });
+        let seeder = self.seeder.lock().expect("not poisoned").take();
+        let seeding = seeder.map(|seeder| tokio::spawn(seeder.run(self.stopping.subscribe())));
         let last = loop {
             match self.session(&mut tasks, &mut shutdown).await {
                 Ok(SessionEnd::Shutdown(control, broker)) => break Some((control, broker)),

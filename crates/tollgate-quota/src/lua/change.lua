@@ -1,12 +1,19 @@
 -- One audited quota change, atomically: read the old settings, apply the
 -- change, stamp who/when, append old → new to the audit stream.
 --
--- KEYS[1] settings hash, KEYS[2] audit stream, KEYS[3] index set
+-- Seeding from the quota baseline is the same change, made only when it
+-- should be: the target holds no quota and this exact baseline entry was not
+-- applied before (so a deliberate `quota delete` stands until the baseline's
+-- entry itself changes), or always with overwrite.
+--
+-- KEYS[1] settings hash, KEYS[2] audit stream, KEYS[3] index set,
+-- KEYS[4] hash: target -> fingerprint of the baseline entry last applied
 -- ARGV[1] target ("tenant:acme", "route:email", "default")
--- ARGV[2] action, ARGV[3] who, ARGV[4] source ("cli" or "api")
+-- ARGV[2] action, ARGV[3] who, ARGV[4] source ("cli", "api" or "baseline")
 -- ARGV[5] index member ('' = not indexed), ARGV[6] audit stream max length
--- ARGV[7..] field, value pairs; an empty value deletes the field
--- Reply: {old json, new json}
+-- ARGV[7] baseline fingerprint ('' = not a seed), ARGV[8] '1' = overwrite
+-- ARGV[9..] field, value pairs; an empty value deletes the field
+-- Reply: {old json, new json, 1 if written else 0}
 
 local meta = {updated_by = true, updated_at_ms = true}
 local function settings()
@@ -19,7 +26,20 @@ local function settings()
 end
 
 local old = settings()
-for i = 7, #ARGV, 2 do
+local fingerprint = ARGV[7]
+if fingerprint ~= '' then
+  local has_quota = redis.call('HEXISTS', KEYS[1], 'count') == 1
+  local applied = redis.call('HGET', KEYS[4], ARGV[1])
+  if ARGV[8] ~= '1' and (has_quota or applied == fingerprint) then
+    -- A live quota wins; a deleted one stays deleted. Either way this
+    -- entry counts as applied, so a later delete sticks.
+    if has_quota and applied ~= fingerprint then redis.call('HSET', KEYS[4], ARGV[1], fingerprint) end
+    local same = cjson.encode(old)
+    return {same, same, 0}
+  end
+  redis.call('HSET', KEYS[4], ARGV[1], fingerprint)
+end
+for i = 9, #ARGV, 2 do
   if ARGV[i + 1] == '' then
     redis.call('HDEL', KEYS[1], ARGV[i])
   else
@@ -42,4 +62,4 @@ local old_json, new_json = cjson.encode(old), cjson.encode(new)
 redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[6], '*',
   'target', ARGV[1], 'action', ARGV[2], 'who', ARGV[3], 'source', ARGV[4],
   'at_ms', at, 'old', old_json, 'new', new_json)
-return {old_json, new_json}
+return {old_json, new_json, 1}
