@@ -527,3 +527,111 @@ async fn a_rabbitmq_restart_is_survived_without_restarting_workers() {
     }
     env.cleanup().await;
 }
+
+/// `dlq list` used to peek by fetch-and-requeue, which raises a quorum
+/// queue's delivery count: a dead queue with a delivery limit (RabbitMQ 4.x
+/// gives every quorum queue 20) dropped a dead letter listed 20 times. The
+/// dead queue is declared here as 4.x would, then listed 30 times and
+/// swept by 5 replays that select nothing: every letter is still there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn listing_dead_letters_never_wears_them_out() {
+    use tollgate_amqp::lapin::options::{
+        QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions,
+    };
+    use tollgate_amqp::lapin::types::{AMQPValue, FieldTable, LongString};
+    use tollgate_amqp::lapin::{Connection, ConnectionProperties};
+
+    let env = TestEnv::new("http://127.0.0.1:9/unused").await;
+    let topology = env.broker.topology().clone();
+    let conn = Connection::connect(
+        env.config.amqp_url.expose(),
+        ConnectionProperties::default(),
+    )
+    .await
+    .unwrap();
+    let channel = conn.create_channel().await.unwrap();
+    let dead = topology.dead_queue();
+    channel
+        .queue_delete(dead.as_str().into(), QueueDeleteOptions::default())
+        .await
+        .unwrap();
+    let mut args = FieldTable::default();
+    args.insert(
+        "x-queue-type".into(),
+        AMQPValue::LongString(LongString::from("quorum")),
+    );
+    args.insert("x-delivery-limit".into(), AMQPValue::LongLongInt(20));
+    let durable = QueueDeclareOptions {
+        durable: true,
+        ..Default::default()
+    };
+    channel
+        .queue_declare(dead.as_str().into(), durable, args)
+        .await
+        .unwrap();
+    channel
+        .queue_bind(
+            dead.as_str().into(),
+            topology.dead_letter_exchange().as_str().into(),
+            "".into(),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    conn.close(200, "declared".into()).await.unwrap();
+
+    let mut ids = Vec::new();
+    for i in 0..6 {
+        let id = format!("dead-{i}");
+        let mut headers = FieldTable::default();
+        tollgate_amqp::headers::set_text(&mut headers, tollgate_amqp::headers::REASON, "rejected");
+        let body = format!(r#"{{"id":"{id}","tenant":"acme"}}"#);
+        let props = tollgate_amqp::job_properties().with_headers(headers);
+        env.broker
+            .publish(
+                &topology.dead_letter_exchange(),
+                "acme",
+                body.as_bytes(),
+                props,
+            )
+            .await
+            .unwrap();
+        ids.push(id);
+    }
+
+    let cli = |args: &[&str]| {
+        let out = Command::new(tollgate_bin())
+            .args(args)
+            .env("TOLLGATE_PREFIX", &env.config.prefix)
+            .env("TOLLGATE_SHARDS", env.config.shards.to_string())
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap()
+    };
+    for _ in 0..30 {
+        let out = cli(&["dlq", "list"]);
+        assert!(out.contains(": 6 dead letter(s)"), "{out}");
+    }
+    for _ in 0..5 {
+        let out = cli(&["dlq", "replay", "--tenant", "nobody"]);
+        assert!(
+            out.starts_with("replayed 0 dead letter(s); 6 left"),
+            "{out}"
+        );
+    }
+    let left: Vec<String> = env
+        .dead_letters()
+        .await
+        .into_iter()
+        .map(|l| l.job_id)
+        .collect();
+    assert_eq!(left, ids, "every dead letter kept, in order");
+    assert_eq!(env.broker.queue_depth(&dead).await.unwrap(), 6);
+    env.cleanup().await;
+}

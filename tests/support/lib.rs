@@ -203,9 +203,8 @@ impl TestEnv {
     }
 
     pub async fn dead_letters(&self) -> Vec<DeadLetter> {
-        let queue = self.broker.topology().dead_queue();
         self.broker
-            .peek(&queue, 10_000)
+            .peek_dead_letters(10_000)
             .await
             .expect("peek DLQ")
             .iter()

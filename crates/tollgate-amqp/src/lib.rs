@@ -348,84 +348,139 @@ impl Broker {
         result
     }
 
-    /// Reads up to `limit` messages of `queue` without removing them: they
-    /// are fetched unacked and handed back (requeued) before returning.
-    pub async fn peek(&self, queue: &str, limit: usize) -> Result<Vec<Delivery>, AmqpError> {
-        let channel = self.conn.create_channel().await?;
-        let mut out = Vec::new();
-        while out.len() < limit {
-            match channel
-                .basic_get(queue.into(), BasicGetOptions { no_ack: false })
-                .await
-                .map_err(|e| AmqpError::declare(queue, e))?
-            {
-                Some(msg) => out.push(msg.delivery),
-                None => break,
-            }
-        }
-        if !out.is_empty() {
-            channel
-                .basic_nack(
-                    0,
-                    BasicNackOptions {
-                        multiple: true,
-                        requeue: true,
-                    },
-                )
-                .await?;
-        }
-        let _ = channel.close(200, "peeked".into()).await;
-        Ok(out)
+    /// Reads up to `limit` dead letters without removing or wearing them.
+    ///
+    /// A fetch-and-requeue peek raises a quorum queue's delivery count, and
+    /// a dead queue with a delivery limit (RabbitMQ 4.x sets 20 by default)
+    /// drops a letter listed that many times. So each letter read is moved:
+    /// a copy (body, routing key and headers kept, the delivery count
+    /// dropped) is published to the back of the dead queue and confirmed,
+    /// then the original is acked. Reading the whole queue keeps its order.
+    pub async fn peek_dead_letters(&self, limit: usize) -> Result<Vec<Delivery>, AmqpError> {
+        self.sweep_dead_letters(limit, true, |_| Sweep::Keep).await
     }
 
     /// Moves dead letters back to the jobs exchange: every message of the
     /// DLQ for which `select` is true (at most `limit`) is republished with
     /// its body (so its idempotency key) unchanged and tollgate's progress
     /// headers removed (attempts start again), confirmed, then acked; the
-    /// others stay where they were. Returns (replayed, left).
+    /// others are kept, unworn (see [`Broker::peek_dead_letters`]).
+    /// Returns (replayed, left).
     pub async fn replay_dead_letters(
         &self,
         select: impl Fn(&Delivery) -> bool,
         limit: usize,
     ) -> Result<(usize, usize), AmqpError> {
-        let queue = self.topology.dead_queue();
-        let channel = self.conn.create_channel().await?;
         let (mut replayed, mut left) = (0, 0);
-        loop {
-            let Some(msg) = channel
-                .basic_get(queue.as_str().into(), BasicGetOptions { no_ack: false })
-                .await
-                .map_err(|e| AmqpError::declare(&queue, e))?
-            else {
-                break;
-            };
-            let delivery = msg.delivery;
-            if replayed >= limit || !select(&delivery) {
+        self.sweep_dead_letters(usize::MAX, false, |delivery| {
+            if replayed < limit && select(delivery) {
+                replayed += 1;
+                Sweep::Replay
+            } else {
                 left += 1;
-                continue;
+                Sweep::Keep
             }
-            let mut fresh = delivery.properties.headers().clone().unwrap_or_default();
-            let rabbitmq = ["x-death", headers::RABBITMQ_DELIVERY_COUNT];
-            for name in headers::ALL.into_iter().chain(rabbitmq) {
-                fresh = headers::without(fresh, name);
-            }
-            let props = copy_properties(&delivery, fresh);
-            let (exchange, key) = (self.topology.jobs_exchange(), delivery.routing_key.as_str());
-            self.publish(&exchange, key, &delivery.data, props).await?;
-            channel
-                .basic_ack(delivery.delivery_tag, Default::default())
-                .await?;
-            replayed += 1;
-        }
-        if left > 0 {
-            let requeue = BasicNackOptions {
-                multiple: true,
-                requeue: true,
-            };
-            channel.basic_nack(0, requeue).await?;
-        }
-        let _ = channel.close(200, "replayed".into()).await;
+        })
+        .await?;
         Ok((replayed, left))
+    }
+
+    /// Takes up to `limit` of the dead letters present when it starts, one
+    /// at a time, and per `decide` republishes each to the back of the dead
+    /// queue (keep) or to the jobs exchange (replay), acking the original
+    /// only once its copy is confirmed. A failure leaves the letter where
+    /// it was (handed back); at worst a crash between confirm and ack
+    /// leaves one letter twice, never none. Returns the letters taken when
+    /// `collect`.
+    async fn sweep_dead_letters(
+        &self,
+        limit: usize,
+        collect: bool,
+        mut decide: impl FnMut(&Delivery) -> Sweep,
+    ) -> Result<Vec<Delivery>, AmqpError> {
+        let queue = self.topology.dead_queue();
+        let present = self.queue_depth(&queue).await? as usize;
+        let channel = bounded("a channel open", async {
+            Ok(self.conn.create_channel().await?)
+        })
+        .await?;
+        let result = async {
+            let mut taken = Vec::new();
+            for _ in 0..present.min(limit) {
+                let Some(msg) = bounded("a basic.get", async {
+                    channel
+                        .basic_get(queue.as_str().into(), BasicGetOptions { no_ack: false })
+                        .await
+                        .map_err(|e| AmqpError::declare(&queue, e))
+                })
+                .await?
+                else {
+                    break;
+                };
+                let delivery = msg.delivery;
+                let moved = match decide(&delivery) {
+                    Sweep::Keep => {
+                        let headers = headers::without(
+                            delivery.properties.headers().clone().unwrap_or_default(),
+                            headers::RABBITMQ_DELIVERY_COUNT,
+                        );
+                        let exchange = self.topology.dead_letter_exchange();
+                        let props = copy_properties(&delivery, headers);
+                        self.publish(
+                            &exchange,
+                            delivery.routing_key.as_str(),
+                            &delivery.data,
+                            props,
+                        )
+                        .await
+                    }
+                    Sweep::Replay => {
+                        let mut fresh = delivery.properties.headers().clone().unwrap_or_default();
+                        let rabbitmq = ["x-death", headers::RABBITMQ_DELIVERY_COUNT];
+                        for name in headers::ALL.into_iter().chain(rabbitmq) {
+                            fresh = headers::without(fresh, name);
+                        }
+                        let props = copy_properties(&delivery, fresh);
+                        let exchange = self.topology.jobs_exchange();
+                        self.publish(
+                            &exchange,
+                            delivery.routing_key.as_str(),
+                            &delivery.data,
+                            props,
+                        )
+                        .await
+                    }
+                };
+                match moved {
+                    Ok(()) => {
+                        bounded("an ack", async {
+                            Ok(channel
+                                .basic_ack(delivery.delivery_tag, Default::default())
+                                .await?)
+                        })
+                        .await?;
+                        if collect {
+                            taken.push(delivery);
+                        }
+                    }
+                    Err(e) => {
+                        let requeue = BasicNackOptions {
+                            requeue: true,
+                            ..Default::default()
+                        };
+                        let _ = channel.basic_nack(delivery.delivery_tag, requeue).await;
+                        return Err(e);
+                    }
+                }
+            }
+            Ok(taken)
+        }
+        .await;
+        let _ = bounded("a channel close", async {
+            Ok(channel.close(200, "swept".into()).await?)
+        })
+        .await;
+        result
     }
 
     /// Deletes every message of `queue`; returns how many.
@@ -445,6 +500,14 @@ impl Broker {
         })
         .await;
     }
+}
+
+/// What a sweep of the dead queue does with one letter.
+enum Sweep {
+    /// Back to the end of the dead queue, unworn.
+    Keep,
+    /// To the jobs exchange, attempts starting over.
+    Replay,
 }
 
 /// The deliveries of every work queue, merged, and what is needed to stop

@@ -787,7 +787,7 @@ pub async fn dlq(config: &Config, command: &DlqCommand) -> anyhow::Result<()> {
             let queue = broker.topology().dead_queue();
             let depth = broker.queue_depth(&queue).await?;
             let mut letters: Vec<DeadLetter> = broker
-                .peek(&queue, *scan)
+                .peek_dead_letters(*scan)
                 .await?
                 .iter()
                 .map(describe_dead_letter)
