@@ -150,3 +150,42 @@ async fn a_recorded_idempotency_key_is_never_sent_again() {
     worker.stop().await.unwrap();
     env.cleanup().await;
 }
+
+/// Shrinking `shards` once left the higher work queues bound to the jobs
+/// exchange and consumed by nobody: their jobs waited forever. A worker
+/// with fewer shards now unbinds them (no new job lands there) and drains
+/// them until they are empty.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shrinking_shards_drains_the_queues_left_behind() {
+    let provider = FakeProvider::start(fake_provider::always_ok())
+        .await
+        .unwrap();
+    let env = TestEnv::new_with(&provider.url(), |c| c.shards = 4).await;
+    let tenants: Vec<String> = (0..40).map(|i| format!("t{i}")).collect();
+    for tenant in &tenants {
+        env.set_quota(tenant, "100/s", 10).await;
+        env.publish(tenant, 2, |_| {}).await;
+    }
+    let topology = env.broker.topology().clone();
+    let (high, low) = (topology.work_queue(2), topology.work_queue(3));
+    let stranded =
+        env.broker.queue_depth(&high).await.unwrap() + env.broker.queue_depth(&low).await.unwrap();
+    assert!(stranded > 0, "some tenants hash to work queues 2 and 3");
+
+    let worker = env.spawn_worker_with(|c| c.shards = 2).await;
+    wait_for("every job sent", Duration::from_secs(30), || async {
+        provider.accepted() >= 80
+    })
+    .await;
+    worker.stop().await.unwrap();
+    // No new job lands on the queues beyond the new shard count.
+    for tenant in &tenants {
+        env.publish(tenant, 1, |_| {}).await;
+    }
+    for queue in [&high, &low] {
+        assert_eq!(env.broker.queue_depth(queue).await.unwrap(), 0, "{queue}");
+    }
+    let (sent, _) = tollgate_tests::effects(&provider.received());
+    assert_eq!(sent.len(), 80, "each job sent once");
+    env.cleanup().await;
+}

@@ -116,6 +116,9 @@ pub struct Broker {
     conn: Connection,
     topology: Topology,
     publisher: Channel,
+    /// Work queues beyond `shards` left by an installation that had more:
+    /// unbound from the jobs exchange and consumed until they are empty.
+    draining: std::sync::Mutex<Vec<String>>,
 }
 
 impl Broker {
@@ -150,6 +153,7 @@ impl Broker {
                 conn,
                 topology,
                 publisher,
+                draining: std::sync::Mutex::new(Vec::new()),
             })
         })
         .await
@@ -164,12 +168,68 @@ impl Broker {
     }
 
     /// Declares the whole topology on a fresh channel (a failed declare
-    /// closes its channel, so it must not be the publisher's).
-    pub async fn declare_topology(&self) -> Result<(), AmqpError> {
-        let channel = self.conn.create_channel().await?;
-        let result = self.topology.declare(&channel).await;
+    /// closes its channel, so it must not be the publisher's). Work queues
+    /// left by a larger `shards` are unbound from the jobs exchange, so no
+    /// new job lands there, and [`Broker::consume`] drains them; returns
+    /// their names.
+    pub async fn declare_topology(&self) -> Result<Vec<String>, AmqpError> {
+        let channel = self.open_channel().await?;
+        let declared = bounded("the topology declaration", self.topology.declare(&channel)).await;
         let _ = channel.close(200, "declared".into()).await;
-        result
+        declared?;
+        let stale = self.stale_work_queues().await?;
+        if !stale.is_empty() {
+            let channel = self.open_channel().await?;
+            let unbound = bounded("unbinding stale work queues", async {
+                for queue in &stale {
+                    self.topology.unbind_work_queue(&channel, queue).await?;
+                }
+                Ok(())
+            })
+            .await;
+            let _ = channel.close(200, "unbound".into()).await;
+            unbound?;
+        }
+        stale.clone_into(&mut self.draining.lock().expect("not poisoned"));
+        Ok(stale)
+    }
+
+    /// `{prefix}.work.N` for N ≥ shards that still exist, probed in order
+    /// until one is missing.
+    async fn stale_work_queues(&self) -> Result<Vec<String>, AmqpError> {
+        let mut stale = Vec::new();
+        for i in self.topology.shards().. {
+            let queue = self.topology.work_queue(i);
+            // A passive declare of a missing queue closes its channel.
+            let channel = self.open_channel().await?;
+            let options = QueueDeclareOptions {
+                passive: true,
+                ..Default::default()
+            };
+            let exists = bounded("a queue probe", async {
+                Ok(channel
+                    .queue_declare(queue.as_str().into(), options, FieldTable::default())
+                    .await
+                    .is_ok())
+            })
+            .await?;
+            if channel.status().connected() {
+                let _ = channel.close(200, "probed".into()).await;
+            }
+            if !exists {
+                break;
+            }
+            stale.push(queue);
+        }
+        Ok(stale)
+    }
+
+    /// A new channel, bounded by [`REPLY_TIMEOUT`].
+    async fn open_channel(&self) -> Result<Channel, AmqpError> {
+        bounded("a channel open", async {
+            Ok(self.conn.create_channel().await?)
+        })
+        .await
     }
 
     pub async fn delete_topology(&self) -> Result<(), AmqpError> {
@@ -304,8 +364,9 @@ impl Broker {
         consumer_name: &str,
         prefetch: u16,
     ) -> Result<Consumption, AmqpError> {
-        let channel = self.conn.create_channel().await?;
-        let queues = self.topology.work_queues();
+        let channel = self.open_channel().await?;
+        let mut queues = self.topology.work_queues();
+        queues.extend(self.draining.lock().expect("not poisoned").iter().cloned());
         let share = prefetch.div_ceil(queues.len() as u16).max(1);
         let mut consumers = Vec::with_capacity(queues.len());
         let mut tags = Vec::with_capacity(queues.len());

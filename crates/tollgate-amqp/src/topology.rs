@@ -56,9 +56,30 @@ impl Topology {
     }
 
     pub fn work_queues(&self) -> Vec<String> {
-        (0..self.shards)
-            .map(|i| format!("{}.work.{i}", self.prefix))
-            .collect()
+        (0..self.shards).map(|i| self.work_queue(i)).collect()
+    }
+
+    pub fn shards(&self) -> u16 {
+        self.shards
+    }
+
+    /// The name of work queue `i` (which may lie beyond `shards`).
+    pub fn work_queue(&self, i: u16) -> String {
+        format!("{}.work.{i}", self.prefix)
+    }
+
+    /// Stops the jobs exchange routing to `queue` (a work queue beyond
+    /// `shards`, being drained).
+    pub async fn unbind_work_queue(&self, channel: &Channel, queue: &str) -> Result<(), AmqpError> {
+        channel
+            .queue_unbind(
+                queue.into(),
+                self.jobs_exchange().as_str().into(),
+                "1".into(),
+                FieldTable::default(),
+            )
+            .await
+            .map_err(|e| AmqpError::declare(queue, e))
     }
 
     /// The tier's exchange and queue share this name.

@@ -403,7 +403,7 @@ pub async fn publish_reliably(
             Ok(broker) => {
                 let declared = broker.declare_topology().await;
                 let (failed, error) = match declared {
-                    Ok(()) => publish_batch(&broker, &left, now).await,
+                    Ok(_) => publish_batch(&broker, &left, now).await,
                     Err(e) => (left.clone(), Some(e)),
                 };
                 broker.close().await;
@@ -716,7 +716,7 @@ pub async fn topology(config: &Config, command: &TopologyCommand) -> anyhow::Res
     match command {
         TopologyCommand::Declare => {
             let broker = connect_broker(config, "topology").await?;
-            broker.declare_topology().await?;
+            let draining = broker.declare_topology().await?;
             let t = broker.topology();
             println!(
                 "declared {} → {} work queue(s), {} delay tier(s), {}",
@@ -725,10 +725,24 @@ pub async fn topology(config: &Config, command: &TopologyCommand) -> anyhow::Res
                 t.all_queues().len() - t.work_queues().len() - 1,
                 t.dead_queue()
             );
+            for queue in draining {
+                let depth = broker.queue_depth(&queue).await?;
+                println!("{}", draining_note(&queue, depth));
+            }
             broker.close().await;
         }
     }
     Ok(())
+}
+
+/// What an operator needs to know about a work queue left by a larger
+/// `shards`.
+pub fn draining_note(queue: &str, depth: u32) -> String {
+    format!(
+        "{queue} is beyond TOLLGATE_SHARDS: unbound from the jobs exchange (no new jobs land \
+         there) and drained by every worker; {depth} job(s) left. Once it stays empty, delete \
+         it: rabbitmqctl delete_queue {queue}"
+    )
 }
 
 /// One dead letter as `dlq list` shows it.

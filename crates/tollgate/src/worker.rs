@@ -316,7 +316,10 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
             )
             .await?,
         );
-        broker.declare_topology().await?;
+        for queue in broker.declare_topology().await? {
+            let depth = broker.queue_depth(&queue).await.unwrap_or(0);
+            warn!("{}", crate::cli::draining_note(&queue, depth));
+        }
         let mut consumption = broker.consume(&self.name, self.concurrency).await?;
         *self.broker.write().expect("not poisoned") = Some(Arc::clone(&broker));
         self.set_consuming(true);
