@@ -465,6 +465,7 @@ async fn the_admin_api_needs_the_right_token() {
     let (addr, _server) = tollgate::http::serve(
         ([127, 0, 0, 1], 0).into(),
         tollgate::admin::router(state),
+        env.config.server_limits(),
         std::future::pending(),
     )
     .await

@@ -489,3 +489,154 @@ async fn passwords_in_urls_never_reach_errors_or_logs() {
     );
     assert!(!metrics.contains(CANARY));
 }
+
+/// Calls of one Redis command so far (`INFO commandstats`).
+async fn redis_calls(url: &str, command: &str) -> u64 {
+    let settings = tollgate_quota::RedisSettings {
+        url: url.to_owned(),
+        ca_pem: None,
+        response_timeout: Duration::from_secs(1),
+        connect_timeout: Duration::from_secs(1),
+    };
+    let redis = tollgate_quota::Redis::new(&settings).unwrap();
+    let mut conn = redis.conn().await.unwrap();
+    let info: String = tollgate_quota::redis_cmd("INFO")
+        .arg("commandstats")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let prefix = format!("cmdstat_{command}:calls=");
+    info.lines()
+        .find_map(|l| l.strip_prefix(&prefix))
+        .and_then(|rest| rest.split(',').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0)
+}
+
+/// Reads from `stream` until the server closes it (or `within` passes):
+/// true when closed.
+async fn closed_by_server(stream: &mut tokio::net::TcpStream, within: Duration) -> bool {
+    use tokio::io::AsyncReadExt;
+    let mut buf = [0u8; 1024];
+    let read = async {
+        loop {
+            match stream.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {}
+            }
+        }
+    };
+    tokio::time::timeout(within, read).await.is_ok()
+}
+
+/// The HTTP port is reachable by anything in the cluster: it once had no
+/// connection limit and no timeouts (a client that stalls its headers held
+/// a connection forever), and every `/readyz` probe PINGed Redis on the hot
+/// path's connection. Now: at most `http_max_connections`, idle connections
+/// closed, a stalled body answered 408, and Redis asked at most once a
+/// second whatever the probe rate.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_http_port_bounds_connections_stalled_clients_and_probes() {
+    use tokio::io::AsyncWriteExt;
+    let redis = tollgate_tests::PrivateRedis::start().await;
+    let url = redis.url();
+    let env = TestEnv::new_with("http://127.0.0.1:9/unused", |c| {
+        c.redis_url = SecretUrl::new(url.clone());
+        c.http_max_connections = 2;
+        c.http_request_timeout_ms = 500;
+    })
+    .await;
+    let worker = env.spawn_worker().await;
+    let token =
+        tollgate::admin::AdminToken::new(tollgate::config::Secret::new("a-token-of-twenty-bytes"))
+            .unwrap();
+    let admin = tollgate::admin::AdminState {
+        store: std::sync::Arc::new(tollgate::cli::quota_store(&env.config).unwrap()),
+        token: Some(token),
+        config_default: env.config.default_quota().unwrap(),
+        cancel_ttl: Duration::from_secs(60),
+    };
+    let router = tollgate::http::router(worker.metrics.clone(), worker.worker.clone())
+        .merge(tollgate::admin::router(admin));
+    let (addr, _server) = tollgate::http::serve(
+        ([127, 0, 0, 1], 0).into(),
+        router,
+        env.config.server_limits(),
+        std::future::pending(),
+    )
+    .await
+    .unwrap();
+    let http = reqwest::Client::builder()
+        .pool_max_idle_per_host(0)
+        .build()
+        .unwrap();
+    let healthz = format!("http://{addr}/healthz");
+
+    // Two clients that stall in their headers take both slots…
+    let mut stalled = Vec::new();
+    for _ in 0..2 {
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        s.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+            .await
+            .unwrap();
+        stalled.push(s);
+    }
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(
+        http.get(&healthz).send().await.is_err(),
+        "a third connection is refused while two are held"
+    );
+    // …and are closed once idle past the timeout, freeing the slots.
+    for s in &mut stalled {
+        assert!(
+            closed_by_server(s, Duration::from_secs(10)).await,
+            "a stalled connection is closed"
+        );
+    }
+    let ok = http.get(&healthz).send().await.unwrap();
+    assert_eq!(ok.status(), 200);
+
+    // A request whose body never finishes is answered 408.
+    let mut slow = tokio::net::TcpStream::connect(addr).await.unwrap();
+    slow.write_all(
+        b"PUT /v1/tenants/acme/quota HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer a-token-of-twenty-bytes\r\n\
+          Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"rate\":",
+    )
+    .await
+    .unwrap();
+    let answer = tokio::time::timeout(Duration::from_secs(10), async {
+        use tokio::io::AsyncReadExt;
+        let mut buf = vec![0u8; 64];
+        let n = slow.read(&mut buf).await.unwrap_or(0);
+        String::from_utf8_lossy(&buf[..n]).into_owned()
+    })
+    .await
+    .expect("an answer, not a hang");
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer:?}");
+    assert!(
+        env.quotas
+            .get(&tollgate_quota::Target::Tenant(TestEnv::tenant("acme")))
+            .await
+            .unwrap()
+            .is_none()
+    );
+
+    // 100 probes ask Redis at most once a second.
+    let before = redis_calls(&url, "ping").await;
+    let started = std::time::Instant::now();
+    let readyz = format!("http://{addr}/readyz");
+    let keep_alive = reqwest::Client::new();
+    for _ in 0..100 {
+        let status = keep_alive.get(&readyz).send().await.unwrap().status();
+        assert_eq!(status, 200, "ready");
+    }
+    let pings = redis_calls(&url, "ping").await - before;
+    let allowed = 1 + started.elapsed().as_secs();
+    assert!(
+        pings <= allowed,
+        "{pings} Redis PINGs for 100 probes in {:?}",
+        started.elapsed()
+    );
+    worker.stop().await.unwrap();
+    env.cleanup().await;
+}

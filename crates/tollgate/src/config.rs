@@ -131,6 +131,11 @@ pub struct Config {
     /// Failed provider attempts (408/5xx/timeout) before `exhausted`.
     pub max_attempts: u32,
     pub http_addr: SocketAddr,
+    /// Connections the HTTP port serves at once; more are closed on arrival.
+    pub http_max_connections: usize,
+    /// Longest an HTTP request may take (408 after); a connection idle
+    /// longer is closed.
+    pub http_request_timeout_ms: u64,
     pub admin_token: Option<Secret>,
     pub log_format: LogFormat,
     pub provider_timeout_ms: u64,
@@ -216,6 +221,8 @@ impl Default for Config {
             concurrency: 64,
             max_attempts: 8,
             http_addr: ([0, 0, 0, 0], 9090).into(),
+            http_max_connections: 64,
+            http_request_timeout_ms: 10_000,
             admin_token: None,
             log_format: LogFormat::Pretty,
             provider_timeout_ms: 10_000,
@@ -361,6 +368,9 @@ impl Config {
         if self.tenant_hold_max == 0 {
             bail!("tenant_hold_max must be at least 1");
         }
+        if self.http_max_connections == 0 || self.http_request_timeout_ms == 0 {
+            bail!("http_max_connections and http_request_timeout_ms must be at least 1");
+        }
         if self.shards == 0 {
             bail!("shards must be at least 1");
         }
@@ -417,6 +427,13 @@ impl Config {
             default_retry_after: Duration::from_secs(1),
             min_retry_after: Duration::from_millis(self.min_retry_after_ms),
         })
+    }
+
+    pub fn server_limits(&self) -> crate::http::ServerLimits {
+        crate::http::ServerLimits {
+            max_connections: self.http_max_connections,
+            request_timeout: Duration::from_millis(self.http_request_timeout_ms),
+        }
     }
 
     pub fn limits(&self) -> Limits {

@@ -1,10 +1,20 @@
 //! The one HTTP port: `/metrics`, `/healthz` (the process is alive — never
 //! depends on RabbitMQ or Redis, so a broker outage does not restart pods),
 //! `/readyz` (connected to both and consuming).
+//!
+//! The port is reachable by anything in the cluster, so it is bounded: at
+//! most [`ServerLimits::max_connections`] connections (more are closed at
+//! once), each closed when idle past the request timeout (a client that
+//! trickles or stalls its headers), and every request answered within the
+//! request timeout (408 otherwise).
 
 use std::future::Future;
+use std::io;
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
 
 use axum::Router;
 use axum::extract::State;
@@ -12,7 +22,10 @@ use axum::http::{StatusCode, header};
 use axum::response::IntoResponse;
 use axum::routing::get;
 use futures::future::BoxFuture;
-use tokio::net::TcpListener;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::time::{Instant, Sleep};
 use tollgate_core::ports::{PermitStore, Provider};
 
 use crate::metrics::Metrics;
@@ -63,17 +76,37 @@ async fn ready_handler(State(state): State<AppState>) -> impl IntoResponse {
     (status, axum::Json(readiness))
 }
 
+/// Bounds on the HTTP port.
+#[derive(Clone, Copy, Debug)]
+pub struct ServerLimits {
+    /// Connections served at once; more are closed as they arrive.
+    pub max_connections: usize,
+    /// Longest a request may take (reading its body included): 408 after.
+    /// A connection idle for longer (plus a second) is closed.
+    pub request_timeout: Duration,
+}
+
 /// Binds `addr` (port 0 picks a free port) and serves until `shutdown`.
 /// Returns the bound address and the server task.
 pub async fn serve(
     addr: SocketAddr,
     router: Router,
+    limits: ServerLimits,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<(SocketAddr, tokio::task::JoinHandle<()>)> {
     let listener = TcpListener::bind(addr)
         .await
         .map_err(|e| anyhow::anyhow!("binding the HTTP port {addr}: {e}"))?;
     let bound = listener.local_addr()?;
+    let listener = Bounded {
+        listener,
+        slots: Arc::new(Semaphore::new(limits.max_connections)),
+        idle: limits.request_timeout + Duration::from_secs(1),
+    };
+    let router = router.layer(tower_http::timeout::TimeoutLayer::with_status_code(
+        StatusCode::REQUEST_TIMEOUT,
+        limits.request_timeout,
+    ));
     let task = tokio::spawn(async move {
         if let Err(e) = axum::serve(listener, router)
             .with_graceful_shutdown(shutdown)
@@ -83,4 +116,131 @@ pub async fn serve(
         }
     });
     Ok((bound, task))
+}
+
+/// A listener that serves at most as many connections as it has slots.
+struct Bounded {
+    listener: TcpListener,
+    slots: Arc<Semaphore>,
+    idle: Duration,
+}
+
+impl axum::serve::Listener for Bounded {
+    type Io = Guarded;
+    type Addr = SocketAddr;
+
+    async fn accept(&mut self) -> (Guarded, SocketAddr) {
+        loop {
+            let (io, addr) = match self.listener.accept().await {
+                Ok(accepted) => accepted,
+                Err(e) => {
+                    // Out of file descriptors and the like: wait, do not spin.
+                    tracing::warn!(error = %e, "accepting an HTTP connection");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+            };
+            let Ok(slot) = Arc::clone(&self.slots).try_acquire_owned() else {
+                tracing::debug!(%addr, "HTTP connection limit reached: closing a new connection");
+                continue;
+            };
+            return (
+                Guarded {
+                    io,
+                    _slot: slot,
+                    idle: self.idle,
+                    deadline: Box::pin(tokio::time::sleep(self.idle)),
+                },
+                addr,
+            );
+        }
+    }
+
+    fn local_addr(&self) -> io::Result<SocketAddr> {
+        self.listener.local_addr()
+    }
+}
+
+/// A connection holding one slot, closed when nothing moves on it for
+/// `idle`.
+struct Guarded {
+    io: TcpStream,
+    _slot: OwnedSemaphorePermit,
+    idle: Duration,
+    deadline: Pin<Box<Sleep>>,
+}
+
+impl Guarded {
+    fn progressed(&mut self) {
+        let next = Instant::now() + self.idle;
+        self.deadline.as_mut().reset(next);
+    }
+
+    fn check_idle(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.deadline.as_mut().poll(cx) {
+            Poll::Ready(()) => Poll::Ready(Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "HTTP connection idle for too long",
+            ))),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+}
+
+impl AsyncRead for Guarded {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        match Pin::new(&mut self.io).poll_read(cx, buf) {
+            Poll::Ready(result) => {
+                self.progressed();
+                Poll::Ready(result)
+            }
+            Poll::Pending => self.check_idle(cx),
+        }
+    }
+}
+
+impl AsyncWrite for Guarded {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        match Pin::new(&mut self.io).poll_write(cx, buf) {
+            Poll::Ready(result) => {
+                self.progressed();
+                Poll::Ready(result)
+            }
+            Poll::Pending => self.check_idle(cx).map(|r| r.map(|()| 0)),
+        }
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.io).poll_shutdown(cx)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        match Pin::new(&mut self.io).poll_write_vectored(cx, bufs) {
+            Poll::Ready(result) => {
+                self.progressed();
+                Poll::Ready(result)
+            }
+            Poll::Pending => self.check_idle(cx).map(|r| r.map(|()| 0)),
+        }
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
 }

@@ -79,9 +79,14 @@ async fn worker(config: Config) -> anyhow::Result<()> {
     }
     let router = http::router(metrics, worker.clone()).merge(tollgate::admin::router(admin));
     let mut http_stop = stop_rx.clone();
-    let (addr, server) = http::serve(config.http_addr, router, async move {
-        let _ = http_stop.wait_for(|&stop| stop).await;
-    })
+    let (addr, server) = http::serve(
+        config.http_addr,
+        router,
+        config.server_limits(),
+        async move {
+            let _ = http_stop.wait_for(|&stop| stop).await;
+        },
+    )
     .await?;
     tracing::info!(%addr, "serving /metrics, /healthz, /readyz");
     let result = worker.run(shutdown_signal()).await;

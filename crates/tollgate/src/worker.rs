@@ -70,6 +70,8 @@ pub struct Worker<P, V> {
     /// Longest one delivery may take before it is handed back (a hang).
     delivery_timeout: Duration,
     consuming: AtomicBool,
+    /// The last Redis readiness check: when, and whether it answered.
+    redis_checked: tokio::sync::Mutex<Option<(Instant, bool)>>,
     /// Set on shutdown: held jobs park at once instead of waiting.
     stopping: watch::Sender<bool>,
     holds: HoldGate,
@@ -156,6 +158,7 @@ impl LiveWorker {
             shutdown_grace: Duration::from_millis(config.shutdown_grace_ms),
             delivery_timeout: Duration::from_millis(config.delivery_timeout_ms),
             consuming: AtomicBool::new(false),
+            redis_checked: tokio::sync::Mutex::new(None),
             stopping: watch::channel(false).0,
             holds: HoldGate::new(config.tenant_hold_max),
             throttles: LocalThrottles::default(),
@@ -183,6 +186,9 @@ impl Readiness {
         self.amqp && self.redis && self.consuming
     }
 }
+
+/// How long a Redis readiness answer is reused.
+const READINESS_TTL: Duration = Duration::from_secs(1);
 
 /// How a session ended.
 enum SessionEnd {
@@ -228,10 +234,22 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
         self.broker.read().expect("not poisoned").clone()
     }
 
+    /// What `/readyz` reports. Redis is asked at most once a second,
+    /// whatever the probe rate (concurrent probes share one answer).
     pub async fn readiness(&self) -> Readiness {
-        let redis = tokio::time::timeout(Duration::from_secs(1), self.permits.ping())
-            .await
-            .is_ok_and(|r| r.is_ok());
+        let redis = {
+            let mut checked = self.redis_checked.lock().await;
+            match *checked {
+                Some((at, up)) if at.elapsed() < READINESS_TTL => up,
+                _ => {
+                    let up = tokio::time::timeout(Duration::from_secs(1), self.permits.ping())
+                        .await
+                        .is_ok_and(|r| r.is_ok());
+                    *checked = Some((Instant::now(), up));
+                    up
+                }
+            }
+        };
         Readiness {
             amqp: self.broker().is_some_and(|b| b.is_connected()),
             redis,
