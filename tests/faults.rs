@@ -478,13 +478,28 @@ async fn a_rabbitmq_restart_is_survived_without_restarting_workers() {
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    // Long enough for the workers' reconnect backoff to reach its ceiling.
+    tokio::time::sleep(Duration::from_secs(10)).await;
     assert!(
         Command::new("rabbitmqctl")
             .args(["-q", "start_app"])
             .status()
             .unwrap()
             .success()
+    );
+    let back = Instant::now();
+    let back_to_work = futures::future::join_all(workers.iter().map(|w| async move {
+        wait_for(
+            "the worker to consume again",
+            Duration::from_secs(60),
+            || async { w.worker.readiness().await.consuming },
+        )
+        .await;
+        back.elapsed()
+    }))
+    .await;
+    eprintln!(
+        "rabbitmq restart: workers consuming again {back_to_work:?} after the broker was back"
     );
     let published = tokio::task::spawn_blocking(move || producer.wait_with_output().unwrap())
         .await
@@ -633,5 +648,318 @@ async fn listing_dead_letters_never_wears_them_out() {
         .collect();
     assert_eq!(left, ids, "every dead letter kept, in order");
     assert_eq!(env.broker.queue_depth(&dead).await.unwrap(), 6);
+    env.cleanup().await;
+}
+
+/// Long enough for an in-flight lease (provider timeout 2 s + 5 s in the
+/// tests) to expire: a copy handed back before its send was recorded would
+/// be sent again by now.
+const PAST_THE_LEASE: Duration = Duration::from_secs(8);
+
+/// A provider call cannot be taken back. The per-delivery timeout used to
+/// hand a delivery back in the middle of its call (the provider answering
+/// 2xx after it), so the copy was sent again once its lease expired. Now the
+/// call, the record and the ack run to the end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_timeout_never_interrupts_a_send_it_began() {
+    let provider = FakeProvider::start(Arc::new(|_: &Received, _| {
+        Reply::ok().after(Duration::from_millis(1_500))
+    }))
+    .await
+    .unwrap();
+    let env = TestEnv::new(&provider.url()).await;
+    let worker = env.spawn_worker_with(|c| c.delivery_timeout_ms = 500).await;
+    let jobs = env.publish("slow", 3, |_| {}).await;
+    wait_for("three sends", Duration::from_secs(30), || async {
+        provider.accepted() >= 3
+    })
+    .await;
+    tokio::time::sleep(PAST_THE_LEASE).await;
+    let (sent, repeats) = effects(&provider.received());
+    eprintln!(
+        "timeout during a send: published 3 = sent {} + dead-lettered 0; repeats {repeats}",
+        sent.len()
+    );
+    assert_eq!(sent, ids(&jobs));
+    assert_eq!(
+        repeats, 0,
+        "a send interrupted by its timeout was sent again"
+    );
+    assert_eq!(env.pending().await, 0);
+    assert!(env.dead_letters().await.is_empty());
+    worker.stop().await.unwrap();
+    env.cleanup().await;
+}
+
+/// Shutdown used to abort deliveries still running at the end of the grace
+/// period, provider calls included: the copy went back to the queue and
+/// another worker sent it again once its lease expired. Now shutdown stops
+/// beginning calls late in the grace period and waits for those begun.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_never_abandons_a_send_it_began() {
+    let provider = FakeProvider::start(Arc::new(|_: &Received, _| {
+        Reply::ok().after(Duration::from_millis(1_500))
+    }))
+    .await
+    .unwrap();
+    let env = TestEnv::new(&provider.url()).await;
+    let first = env.spawn_worker_with(|c| c.shutdown_grace_ms = 300).await;
+    let jobs = env.publish("slow", 3, |_| {}).await;
+    wait_for("calls in flight", Duration::from_secs(20), || async {
+        provider.received().len() >= 3
+    })
+    .await;
+    first
+        .stop()
+        .await
+        .expect("calls begun are settled, nothing left unsettled");
+    let (sent, _) = effects(&provider.received());
+    assert_eq!(
+        sent,
+        ids(&jobs),
+        "the calls begun were answered and recorded"
+    );
+    let second = env.spawn_worker().await;
+    tokio::time::sleep(PAST_THE_LEASE).await;
+    let (sent, repeats) = effects(&provider.received());
+    eprintln!(
+        "shutdown during a send: published 3 = sent {} + dead-lettered 0; repeats {repeats}",
+        sent.len()
+    );
+    assert_eq!(repeats, 0, "a send abandoned by shutdown was sent again");
+    assert_eq!(env.pending().await, 0);
+    second.stop().await.unwrap();
+    env.cleanup().await;
+}
+
+/// An outage is not the job's fault. While Redis was down a held job asked
+/// again every second in the same delivery until `delivery_timeout_ms`
+/// handed it back, which counted toward its delivery limit: an outage of a
+/// few timeouts turned healthy jobs into `poison`. Now the waits grow (with
+/// jitter) and are parked, so a delivery never loops.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_redis_outage_turns_no_job_into_poison() {
+    let mut redis = PrivateRedis::start().await;
+    let provider = FakeProvider::start(fake_provider::always_ok())
+        .await
+        .unwrap();
+    let url = redis.url();
+    let env = TestEnv::new_with(&provider.url(), |c| {
+        c.redis_url = tollgate::config::SecretUrl::new(url);
+        c.default_rate = "100/s".into();
+        c.default_burst = 10;
+        c.delivery_limit = 2;
+        c.delivery_timeout_ms = 2_000;
+    })
+    .await;
+    let worker = env.spawn_worker().await;
+    redis.stop();
+    let jobs = env.publish("patient", 20, |_| {}).await;
+    // Five delivery timeouts: enough, before, for every held job to be
+    // handed back past its delivery limit of 2.
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    assert!(provider.received().is_empty(), "no call without a permit");
+    redis.start_again().await;
+    wait_for("every job's effect", Duration::from_secs(60), || async {
+        effects(&provider.received()).0.len() >= 20
+    })
+    .await;
+    let (sent, repeats) = effects(&provider.received());
+    let dead = env.dead_letters().await;
+    eprintln!(
+        "10 s Redis outage: published 20 = sent {} + dead-lettered {}; repeats {repeats}",
+        sent.len(),
+        dead.len()
+    );
+    assert!(dead.is_empty(), "an outage made poison: {dead:?}");
+    assert_eq!(sent, ids(&jobs));
+    assert_eq!(repeats, 0);
+    worker.stop().await.unwrap();
+    env.cleanup().await;
+}
+
+/// A publish to an exchange that is gone makes the broker close the
+/// publisher channel. The worker used to keep the dead channel: every park
+/// failed, the delivery was requeued at once, again and again, and ended as
+/// `poison`. Now the channel is reopened, the topology declared again, and
+/// the refused publish retried with backoff while the delivery is kept.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_closed_publisher_channel_is_reopened_and_nothing_is_lost() {
+    use tollgate_amqp::lapin::options::ExchangeDeleteOptions;
+    use tollgate_amqp::lapin::{Connection, ConnectionProperties};
+
+    let provider = FakeProvider::start(fake_provider::always_ok())
+        .await
+        .unwrap();
+    let env = TestEnv::new_with(&provider.url(), |c| c.delivery_limit = 2).await;
+    env.set_quota("paced", "10/s", 1).await;
+    let worker = env.spawn_worker().await;
+    let jobs = env.publish("paced", 40, |_| {}).await;
+    wait_for("the run to start", Duration::from_secs(20), || async {
+        provider.accepted() >= 5
+    })
+    .await;
+    // Someone deletes the delay tiers' exchanges under the running worker.
+    let conn = Connection::connect(
+        env.config.amqp_url.expose(),
+        ConnectionProperties::default(),
+    )
+    .await
+    .unwrap();
+    let channel = conn.create_channel().await.unwrap();
+    let topology = env.broker.topology().clone();
+    for tier in env.config.tiers().unwrap().all() {
+        channel
+            .exchange_delete(
+                topology.tier(*tier).as_str().into(),
+                ExchangeDeleteOptions::default(),
+            )
+            .await
+            .unwrap();
+    }
+    conn.close(200, "deleted".into()).await.unwrap();
+
+    wait_for("every job's effect", Duration::from_secs(60), || async {
+        effects(&provider.received()).0.len() >= 40
+    })
+    .await;
+    let (sent, repeats) = effects(&provider.received());
+    let dead = env.dead_letters().await;
+    eprintln!(
+        "publisher channel closed: published 40 = sent {} + dead-lettered {}; repeats {repeats}",
+        sent.len(),
+        dead.len()
+    );
+    assert!(dead.is_empty(), "{dead:?}");
+    assert_eq!(sent, ids(&jobs));
+    assert_eq!(repeats, 0);
+    assert!(
+        worker.worker.readiness().await.amqp,
+        "the publisher is open again"
+    );
+    worker.stop().await.unwrap();
+    env.cleanup().await;
+}
+
+/// Connecting used to ignore shutdown: a worker stopped while its broker
+/// did not answer waited out the whole connect timeout (10 s). Now every
+/// setup step hears shutdown.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_stopped_while_connecting_exits_at_once() {
+    // A broker that accepts connections and never answers.
+    let blackhole = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = blackhole.local_addr().unwrap().port();
+    let held = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((socket, _)) = blackhole.accept().await {
+            held.push(socket);
+        }
+    });
+    let env = TestEnv::new("http://127.0.0.1:9/unused").await;
+    let mut config = env.config.clone();
+    config.amqp_url =
+        tollgate::config::SecretUrl::new(format!("amqp://guest:guest@127.0.0.1:{port}/%2f"));
+    config.shutdown_grace_ms = 2_000;
+    let worker =
+        Arc::new(tollgate::LiveWorker::new(&config, tollgate::Metrics::new(50, &[])).unwrap());
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let run = tokio::spawn(Arc::clone(&worker).run(async move {
+        let _ = stopped.await;
+    }));
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let asked = Instant::now();
+    stop.send(()).unwrap();
+    let result = tokio::time::timeout(Duration::from_secs(8), run)
+        .await
+        .expect("stopped well before the 10 s connect bound")
+        .unwrap();
+    eprintln!(
+        "stopped while connecting: exited after {:?}",
+        asked.elapsed()
+    );
+    assert!(result.is_ok(), "{result:?}");
+    held.abort();
+    env.cleanup().await;
+}
+
+/// Redis going away used to be silent (only `/readyz` said so) while a
+/// RabbitMQ outage logged a clear WARN. Both now log each change of state:
+/// down with its cause and address (password redacted), back up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_logs_redis_going_away_and_coming_back() {
+    use std::io::BufRead;
+    let provider = FakeProvider::start(fake_provider::always_ok())
+        .await
+        .unwrap();
+    let env = TestEnv::new(&provider.url()).await;
+    let port = tollgate_tests::free_port();
+    let mut child = WorkerProcess::command(&env, &provider.url(), tollgate_tests::free_port())
+        .env(
+            "TOLLGATE_REDIS_URL",
+            format!("redis://:s3cret-pw@127.0.0.1:{port}"),
+        )
+        .env("TOLLGATE_LOG_FORMAT", "json")
+        .env("RUST_LOG", "info")
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let lines = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+    let reader = std::io::BufReader::new(child.stderr.take().unwrap());
+    let sink = Arc::clone(&lines);
+    std::thread::spawn(move || {
+        for line in reader.lines().map_while(Result::ok) {
+            sink.lock().unwrap().push(line);
+        }
+    });
+    let logged = |needle: &'static str| {
+        let lines = Arc::clone(&lines);
+        move || {
+            let found = lines.lock().unwrap().iter().any(|l| l.contains(needle));
+            async move { found }
+        }
+    };
+    wait_for(
+        "Redis reported down",
+        Duration::from_secs(20),
+        logged("Redis is unreachable"),
+    )
+    .await;
+    let down = lines
+        .lock()
+        .unwrap()
+        .iter()
+        .find(|l| l.contains("Redis is unreachable"))
+        .cloned()
+        .unwrap();
+    let down: serde_json::Value = serde_json::from_str(&down).unwrap();
+    assert_eq!(down["level"], "WARN");
+    assert_eq!(
+        down["address"],
+        format!("redis://:REDACTED@127.0.0.1:{port}")
+    );
+    assert!(
+        down["cause"].as_str().is_some_and(|c| !c.is_empty()),
+        "{down}"
+    );
+
+    let _redis = PrivateRedis::start_on(port, &["--requirepass", "s3cret-pw"]).await;
+    wait_for(
+        "Redis reported back",
+        Duration::from_secs(20),
+        logged("Redis is reachable again"),
+    )
+    .await;
+    let _ = child.kill();
+    let _ = child.wait();
+    let all = lines.lock().unwrap().join("\n");
+    assert!(
+        !all.contains("s3cret-pw"),
+        "the password reached a log line"
+    );
+    let reminders = all.matches("Redis is unreachable").count();
+    assert_eq!(
+        reminders, 1,
+        "one line per change of state, not one per failure"
+    );
     env.cleanup().await;
 }

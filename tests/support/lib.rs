@@ -363,13 +363,20 @@ impl Drop for WorkerProcess {
 /// stop and start without touching the shared one.
 pub struct PrivateRedis {
     pub port: u16,
+    /// More `redis-server` arguments (e.g. `--requirepass`).
+    args: Vec<String>,
     child: Option<std::process::Child>,
 }
 
 impl PrivateRedis {
     pub async fn start() -> Self {
+        Self::start_on(free_port(), &[]).await
+    }
+
+    pub async fn start_on(port: u16, args: &[&str]) -> Self {
         let mut redis = Self {
-            port: free_port(),
+            port,
+            args: args.iter().map(|a| a.to_string()).collect(),
             child: None,
         };
         redis.start_again().await;
@@ -385,6 +392,7 @@ impl PrivateRedis {
         let child = std::process::Command::new("redis-server")
             .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
             .args(["--save", "", "--appendonly", "no"])
+            .args(&self.args)
             .stdout(std::process::Stdio::null())
             .spawn()
             .expect("redis-server starts");

@@ -15,6 +15,8 @@ pub const PARK_REASON: &str = "x-tollgate-park-reason";
 pub const ENQUEUED_MS: &str = "x-tollgate-enqueued-ms";
 pub const SLOT_INTERVAL_US: &str = "x-tollgate-slot-interval-us";
 pub const REDELIVERIES: &str = "x-tollgate-redeliveries";
+/// Times in a row Redis (or an eligibility webhook) could not be reached.
+pub const UNAVAILABLE: &str = "x-tollgate-unavailable";
 /// Set by RabbitMQ on a redelivered quorum-queue message: failed deliveries
 /// of this copy so far.
 pub const RABBITMQ_DELIVERY_COUNT: &str = "x-delivery-count";
@@ -25,8 +27,9 @@ pub const DETAIL: &str = "x-tollgate-detail";
 pub const DEAD_AT_MS: &str = "x-tollgate-dead-at-ms";
 
 /// Every header tollgate writes.
-pub const ALL: [&str; 11] = [
+pub const ALL: [&str; 12] = [
     REDELIVERIES,
+    UNAVAILABLE,
     ATTEMPT,
     FIRST_SEEN_MS,
     QUOTA_WAIT_MS,
@@ -104,10 +107,15 @@ pub fn read_progress(headers: Option<&FieldTable>) -> Result<Progress, Malformed
         ),
     };
     let attempt = int(h, ATTEMPT)?.unwrap_or(0);
+    let unavailable = int(h, UNAVAILABLE)?.unwrap_or(0);
     Ok(Progress {
         attempt: u32::try_from(attempt).map_err(|_| Malformed::Header {
             name: ATTEMPT,
             reason: format!("{attempt} is too large"),
+        })?,
+        unavailable: u32::try_from(unavailable).map_err(|_| Malformed::Header {
+            name: UNAVAILABLE,
+            reason: format!("{unavailable} is not a count"),
         })?,
         first_seen: int(h, FIRST_SEEN_MS)?.map(UnixMillis),
         quota_wait: Duration::from_millis(int(h, QUOTA_WAIT_MS)?.unwrap_or(0) as u64),
@@ -145,6 +153,10 @@ pub fn write_progress(headers: &mut FieldTable, progress: &Progress) {
         progress.slot_interval.map(|d| d.as_micros() as i64),
     );
     set(REDELIVERIES, Some(i64::from(progress.redeliveries)));
+    set(
+        UNAVAILABLE,
+        (progress.unavailable > 0).then_some(i64::from(progress.unavailable)),
+    );
     // This copy's count is folded into ours; the new copy starts from zero.
     set(RABBITMQ_DELIVERY_COUNT, None);
     match progress.park_reason {
@@ -181,6 +193,7 @@ mod tests {
             enqueued_at: Some(UnixMillis(8_000)),
             slot_interval: Some(Duration::from_micros(50_000)),
             redeliveries: 2,
+            unavailable: 3,
         };
         let mut headers = FieldTable::default();
         write_progress(&mut headers, &progress);

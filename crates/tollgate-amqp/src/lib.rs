@@ -61,8 +61,9 @@ pub enum AmqpError {
     Unsettleable(&'static str),
 }
 
-/// How long any one exchange with the broker (connect, publish + confirm,
-/// ack) may take. lapin can leave such a future pending forever when the
+/// How long any one exchange with the broker (connect, channel open,
+/// topology declaration, consume, publish + confirm, ack, nack, cancel,
+/// close) may take. lapin can leave such a future pending forever when the
 /// connection dies under it (amqp-rs/lapin#409, #470); past this bound the
 /// operation counts as failed, so a delivery is handed back instead of
 /// holding a worker (and its shutdown) hostage. A publish that timed out
@@ -115,7 +116,11 @@ impl AmqpError {
 pub struct Broker {
     conn: Connection,
     topology: Topology,
-    publisher: Channel,
+    /// Replaced by [`Broker::repair_publisher`] when the broker closes it
+    /// (a publish to a deleted exchange, a channel error), without touching
+    /// the consumers' channel and the deliveries it holds.
+    publisher: std::sync::RwLock<Channel>,
+    repairing: tokio::sync::Mutex<()>,
     /// Work queues beyond `shards` left by an installation that had more:
     /// unbound from the jobs exchange and consumed until they are empty.
     draining: std::sync::Mutex<Vec<String>>,
@@ -145,14 +150,12 @@ impl Broker {
             let conn = Connection::connect_with_config(url, props, tls, runtime)
                 .await
                 .map_err(err)?;
-            let publisher = conn.create_channel().await?;
-            publisher
-                .confirm_select(ConfirmSelectOptions::default())
-                .await?;
+            let publisher = confirmed_channel(&conn).await?;
             Ok(Self {
                 conn,
                 topology,
-                publisher,
+                publisher: std::sync::RwLock::new(publisher),
+                repairing: tokio::sync::Mutex::new(()),
                 draining: std::sync::Mutex::new(Vec::new()),
             })
         })
@@ -163,8 +166,33 @@ impl Broker {
         &self.topology
     }
 
+    /// The connection and the publisher channel are both open.
     pub fn is_connected(&self) -> bool {
-        self.conn.status().connected() && self.publisher.status().connected()
+        self.connection_alive() && self.publisher().status().connected()
+    }
+
+    /// The connection (and so the consumers' deliveries) is still open.
+    pub fn connection_alive(&self) -> bool {
+        self.conn.status().connected()
+    }
+
+    fn publisher(&self) -> Channel {
+        self.publisher.read().expect("not poisoned").clone()
+    }
+
+    /// After a failed publish: if the broker closed the publisher channel,
+    /// opens a new one in confirm mode, and declares the topology again (a
+    /// deleted exchange or queue is what usually closes it). Deliveries in
+    /// hand are not affected: they live on the consumers' channel.
+    pub async fn repair_publisher(&self) -> Result<(), AmqpError> {
+        let _one_at_a_time = self.repairing.lock().await;
+        if self.publisher().status().connected() {
+            return Ok(());
+        }
+        let fresh = bounded("a publisher channel", confirmed_channel(&self.conn)).await?;
+        *self.publisher.write().expect("not poisoned") = fresh;
+        tracing::warn!("the broker closed the publisher channel: reopened it");
+        self.declare_topology().await.map(drop)
     }
 
     /// Declares the whole topology on a fresh channel (a failed declare
@@ -233,7 +261,7 @@ impl Broker {
     }
 
     pub async fn delete_topology(&self) -> Result<(), AmqpError> {
-        let channel = self.conn.create_channel().await?;
+        let channel = self.open_channel().await?;
         let result = self.topology.delete(&channel).await;
         let _ = channel.close(200, "deleted".into()).await;
         result
@@ -257,7 +285,7 @@ impl Broker {
             source,
         };
         let confirm = bounded("a publish confirm", async {
-            self.publisher
+            self.publisher()
                 .basic_publish(
                     exchange.into(),
                     routing_key.into(),
@@ -364,6 +392,18 @@ impl Broker {
         consumer_name: &str,
         prefetch: u16,
     ) -> Result<Consumption, AmqpError> {
+        bounded(
+            "starting the consumers",
+            self.start_consumers(consumer_name, prefetch),
+        )
+        .await
+    }
+
+    async fn start_consumers(
+        &self,
+        consumer_name: &str,
+        prefetch: u16,
+    ) -> Result<Consumption, AmqpError> {
         let channel = self.open_channel().await?;
         let mut queues = self.topology.work_queues();
         queues.extend(self.draining.lock().expect("not poisoned").iter().cloned());
@@ -395,7 +435,7 @@ impl Broker {
 
     /// Messages ready in `queue` (passive declare: fails if it is missing).
     pub async fn queue_depth(&self, queue: &str) -> Result<u32, AmqpError> {
-        let channel = self.conn.create_channel().await?;
+        let channel = self.open_channel().await?;
         let options = QueueDeclareOptions {
             passive: true,
             ..Default::default()
@@ -461,10 +501,7 @@ impl Broker {
     ) -> Result<Vec<Delivery>, AmqpError> {
         let queue = self.topology.dead_queue();
         let present = self.queue_depth(&queue).await? as usize;
-        let channel = bounded("a channel open", async {
-            Ok(self.conn.create_channel().await?)
-        })
-        .await?;
+        let channel = self.open_channel().await?;
         let result = async {
             let mut taken = Vec::new();
             for _ in 0..present.min(limit) {
@@ -546,7 +583,7 @@ impl Broker {
 
     /// Deletes every message of `queue`; returns how many.
     pub async fn purge(&self, queue: &str) -> Result<u32, AmqpError> {
-        let channel = self.conn.create_channel().await?;
+        let channel = self.open_channel().await?;
         let purged = channel
             .queue_purge(queue.into(), Default::default())
             .await
@@ -606,6 +643,15 @@ impl ConsumerControl {
         })
         .await;
     }
+}
+
+/// A channel in confirm mode: every publish on it is acked by the broker.
+async fn confirmed_channel(conn: &Connection) -> Result<Channel, AmqpError> {
+    let channel = conn.create_channel().await?;
+    channel
+        .confirm_select(ConfirmSelectOptions::default())
+        .await?;
+    Ok(channel)
 }
 
 /// The properties of a copy of `delivery` (persistent) carrying `headers`.

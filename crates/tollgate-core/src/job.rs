@@ -210,6 +210,9 @@ pub struct Progress {
     /// for a parked copy, so a job that keeps crashing workers between
     /// parks is only caught by this.
     pub redeliveries: u32,
+    /// Times in a row the permit store or an eligibility webhook could not
+    /// be reached for this job: its next wait doubles with each.
+    pub unavailable: u32,
 }
 
 #[cfg(test)]

@@ -26,8 +26,14 @@ pub struct Policy {
     pub max_redeliveries: u32,
     pub backoff: Backoff,
     pub tiers: DelayTiers,
-    /// Wait before asking again when the permit store cannot be reached.
+    /// First wait before asking again when the permit store (or an
+    /// eligibility webhook) cannot be reached; it doubles at each further
+    /// failure of the same job, up to `unavailable_retry_max`, with jitter.
+    /// Longer than `hold_max`, such waits are parked: an outage never keeps
+    /// a delivery looping in-process (where `delivery_timeout_ms` would hand
+    /// it back and count it toward `poison`).
     pub unavailable_retry: Duration,
+    pub unavailable_retry_max: Duration,
     /// Shortest hop of a quota wait. A quota wait hops through the tiers at
     /// most half its remaining time at once (never less than this), and at
     /// each hop the job asks the permit store again: it keeps its place,
@@ -281,32 +287,51 @@ impl JobRun {
         }
     }
 
+    /// `jitter` is uniform in [0, 1), drawn by the runtime.
     pub fn on_eligibility(
         &mut self,
         policy: &Policy,
         eligibility: Eligibility,
         now: UnixMillis,
+        jitter: f64,
     ) -> Action {
         match eligibility {
             Eligibility::Eligible => Action::AskPermit,
             Eligibility::Skip => Action::Complete(Completion::Skipped),
-            Eligibility::Unavailable => {
-                self.begin_wait(policy, now, policy.unavailable_retry, ParkReason::Backoff)
-            }
+            Eligibility::Unavailable => self.unavailable(policy, now, jitter),
         }
     }
 
+    /// A dependency (permit store, eligibility webhook) did not answer:
+    /// wait, longer at each failure in a row, jittered so a fleet does not
+    /// come back in step.
+    fn unavailable(&mut self, policy: &Policy, now: UnixMillis, jitter: f64) -> Action {
+        let failures = self.progress.unavailable.min(16);
+        self.progress.unavailable = self.progress.unavailable.saturating_add(1);
+        let ceiling = policy
+            .unavailable_retry
+            .saturating_mul(1 << failures)
+            .min(policy.unavailable_retry_max.max(policy.unavailable_retry));
+        let wait = ceiling.mul_f64(0.5 + 0.5 * jitter.clamp(0.0, 1.0));
+        self.begin_wait(policy, now, wait, ParkReason::Backoff)
+    }
+
+    /// `jitter` is uniform in [0, 1), drawn by the runtime.
     pub fn on_permit(
         &mut self,
         policy: &Policy,
         decision: PermitDecision,
         now: UnixMillis,
+        jitter: f64,
     ) -> Action {
         debug_assert_eq!(
             self.stage,
             Stage::Due,
             "a permit is asked for once per call"
         );
+        if decision != PermitDecision::Unavailable {
+            self.progress.unavailable = 0;
+        }
         match decision {
             PermitDecision::Granted { delay, .. } => {
                 self.stage = Stage::Granted;
@@ -343,9 +368,7 @@ impl JobRun {
             PermitDecision::AtConcurrency { retry_in } => {
                 self.begin_wait(policy, now, retry_in, ParkReason::Quota)
             }
-            PermitDecision::Unavailable => {
-                self.begin_wait(policy, now, policy.unavailable_retry, ParkReason::Backoff)
-            }
+            PermitDecision::Unavailable => self.unavailable(policy, now, jitter),
         }
     }
 
@@ -522,6 +545,7 @@ mod tests {
             )
             .unwrap(),
             unavailable_retry: Duration::from_secs(1),
+            unavailable_retry_max: Duration::from_secs(5),
             quota_recheck: Duration::from_secs(5),
             default_retry_after: Duration::from_secs(1),
             min_retry_after: Duration::from_secs(1),
@@ -549,10 +573,10 @@ mod tests {
         let mut run = JobRun::new(&job(""), Progress::default(), T0);
         assert_eq!(run.next(&p, T0), Action::CheckEligibility);
         assert_eq!(
-            run.on_eligibility(&p, Eligibility::Eligible, T0),
+            run.on_eligibility(&p, Eligibility::Eligible, T0, 0.5),
             Action::AskPermit
         );
-        let a = run.on_permit(&p, GRANTED, T0);
+        let a = run.on_permit(&p, GRANTED, T0, 0.5);
         assert_eq!(a, Action::CallProvider);
         assert_eq!(run.attempt(), 1);
         let a = run.on_provider(&p, ProviderOutcome::Sent, T0, 0.5);
@@ -622,6 +646,7 @@ mod tests {
                 shadow: Shadow::None,
             },
             T0,
+            0.5,
         );
         assert_eq!(
             a,
@@ -652,6 +677,7 @@ mod tests {
                 kept: false,
             },
             T0,
+            0.5,
         );
         assert_eq!(
             a,
@@ -674,7 +700,7 @@ mod tests {
             kept: true,
         };
         assert_eq!(
-            back.on_permit(&p, kept, at(5_004)),
+            back.on_permit(&p, kept, at(5_004), 0.5),
             Action::Park {
                 until: at(7_500),
                 reason: ParkReason::Quota,
@@ -710,7 +736,7 @@ mod tests {
         // 40 s to wait: the first hop is at most half of it (the 5 s tier
         // of 1, 5, 30, 120 s …).
         assert!(matches!(
-            run.on_permit(&p, denied, T0),
+            run.on_permit(&p, denied, T0, 0.5),
             Action::Park { tier, hop: false, .. } if tier == Duration::from_secs(5)
         ));
         let mut back = JobRun::new(&job(""), run.progress().clone(), at(5_003));
@@ -729,7 +755,7 @@ mod tests {
             kept: true,
         };
         assert!(matches!(
-            back.on_permit(&p, respaced, at(5_003)),
+            back.on_permit(&p, respaced, at(5_003), 0.5),
             Action::Park { hop: true, .. }
         ));
         assert_eq!(
@@ -741,7 +767,7 @@ mod tests {
         let mut lucky = JobRun::new(&job(""), run.progress().clone(), at(5_003));
         lucky.next(&p, at(5_003));
         assert_eq!(
-            lucky.on_permit(&p, GRANTED, at(5_003)),
+            lucky.on_permit(&p, GRANTED, at(5_003), 0.5),
             Action::CallProvider
         );
     }
@@ -756,7 +782,7 @@ mod tests {
                 Action::CheckEligibility
             );
             let now = at(i64::from(attempt) * 100_000);
-            run.on_permit(&p, GRANTED, now);
+            run.on_permit(&p, GRANTED, now, 0.5);
             assert_eq!(run.attempt(), attempt);
             let a = run.on_provider(&p, ProviderOutcome::Failed, now, 0.99);
             if attempt < 3 {
@@ -784,7 +810,7 @@ mod tests {
         let p = policy();
         let mut run = JobRun::new(&job(""), Progress::default(), T0);
         run.next(&p, T0);
-        run.on_permit(&p, GRANTED, T0);
+        run.on_permit(&p, GRANTED, T0, 0.5);
         let a = run.on_provider(
             &p,
             ProviderOutcome::Throttled {
@@ -807,7 +833,7 @@ mod tests {
         for retry_after in [Some(Duration::ZERO), Some(Duration::from_millis(20)), None] {
             let mut run = JobRun::new(&job(""), Progress::default(), T0);
             run.next(&p, T0);
-            run.on_permit(&p, GRANTED, T0);
+            run.on_permit(&p, GRANTED, T0, 0.5);
             let a = run.on_provider(&p, ProviderOutcome::Throttled { retry_after }, T0, 0.5);
             match a {
                 Action::Hold { until, .. } | Action::Park { until, .. } => assert!(
@@ -833,6 +859,7 @@ mod tests {
                 shadow: Shadow::None,
             },
             T0,
+            0.5,
         );
         assert_eq!(run.next(&p, at(300)), Action::CallProvider);
         let a = run.hold_back(&p, at(1_800), at(300));
@@ -859,12 +886,12 @@ mod tests {
         let mut run = JobRun::new(&job(""), Progress::default(), T0);
         run.next(&p, T0);
         assert_eq!(
-            run.on_permit(&p, PermitDecision::Duplicate, T0),
+            run.on_permit(&p, PermitDecision::Duplicate, T0, 0.5),
             Action::Complete(Completion::Duplicate)
         );
         let mut run = JobRun::new(&job(""), Progress::default(), T0);
         run.next(&p, T0);
-        run.on_permit(&p, GRANTED, T0);
+        run.on_permit(&p, GRANTED, T0, 0.5);
         assert_eq!(
             run.on_provider(
                 &p,
@@ -893,6 +920,7 @@ mod tests {
                 retry_in: Duration::from_secs(5),
             },
             T0,
+            0.5,
         );
         assert!(matches!(
             a,
@@ -905,19 +933,19 @@ mod tests {
         let mut run = JobRun::new(&job(""), Progress::default(), T0);
         run.next(&p, T0);
         assert_eq!(
-            run.on_permit(&p, PermitDecision::Cancelled, T0),
+            run.on_permit(&p, PermitDecision::Cancelled, T0, 0.5),
             Action::Complete(Completion::Skipped)
         );
         let mut run = JobRun::new(&job(""), Progress::default(), T0);
         run.next(&p, T0);
         assert_eq!(
-            run.on_eligibility(&p, Eligibility::Skip, T0),
+            run.on_eligibility(&p, Eligibility::Skip, T0, 0.5),
             Action::Complete(Completion::Skipped)
         );
         let mut run = JobRun::new(&job(""), Progress::default(), T0);
         run.next(&p, T0);
         assert!(matches!(
-            run.on_eligibility(&p, Eligibility::Unavailable, T0),
+            run.on_eligibility(&p, Eligibility::Unavailable, T0, 0.5),
             Action::Hold {
                 reason: Some(ParkReason::Backoff),
                 ..
@@ -956,19 +984,55 @@ mod tests {
         let p = policy();
         let mut run = JobRun::new(&job(""), Progress::default(), T0);
         run.next(&p, T0);
-        let a = run.on_permit(&p, PermitDecision::Unavailable, T0);
+        let a = run.on_permit(&p, PermitDecision::Unavailable, T0, 0.999);
         assert_eq!(
             a,
             Action::Hold {
-                until: at(1_000),
+                until: at(999),
                 reason: Some(ParkReason::Backoff)
             }
         );
         assert_eq!(
-            run.next(&p, at(1_000)),
+            run.next(&p, at(999)),
             Action::CheckEligibility,
             "asks again, never calls"
         );
+    }
+
+    #[test]
+    fn an_outage_backs_off_with_jitter_and_parks_instead_of_looping() {
+        let p = policy();
+        let mut run = JobRun::new(&job(""), Progress::default(), T0);
+        let mut now = T0;
+        let mut waits = Vec::new();
+        for i in 0..6 {
+            assert_eq!(run.next(&p, now), Action::CheckEligibility);
+            let jitter = [0.0, 0.999][i % 2];
+            let a = run.on_permit(&p, PermitDecision::Unavailable, now, jitter);
+            let until = match a {
+                Action::Hold { until, .. } => {
+                    assert!(i == 0, "only the first wait is short enough to hold");
+                    until
+                }
+                Action::Park { until, .. } => until,
+                other => panic!("expected a wait, got {other:?}"),
+            };
+            waits.push(now.until(until));
+            // A parked copy comes back as a new delivery carrying the count.
+            run = JobRun::new(&job(""), run.progress().clone(), until);
+            now = until;
+        }
+        let ms: Vec<u128> = waits.iter().map(Duration::as_millis).collect();
+        assert_eq!(
+            ms,
+            [500, 1_999, 2_000, 4_997, 2_500, 4_997],
+            "doubling to 5 s, jittered 50-100 %"
+        );
+        // The store answers again: the count starts over.
+        assert_eq!(run.next(&p, now), Action::CheckEligibility);
+        run.on_permit(&p, GRANTED, now, 0.5);
+        assert_eq!(run.progress().unavailable, 0);
+        assert_eq!(run.attempt(), 1, "an outage uses no attempt");
     }
 
     #[test]
@@ -985,6 +1049,7 @@ mod tests {
                 kept: false,
             },
             T0,
+            0.5,
         );
         assert!(matches!(
             run.next(&p, at(800)),
@@ -1039,7 +1104,7 @@ mod tests {
                     other => prop_assert!(false, "unexpected {other:?}"),
                 }
                 prop_assert_eq!(
-                    run.on_permit(&p, GRANTED, now),
+                    run.on_permit(&p, GRANTED, now, 0.5),
                     Action::CallProvider
                 );
                 let outcome = if throttles.next().unwrap_or(false) {

@@ -155,6 +155,12 @@ pub struct Config {
     /// Sends are spaced this many percent wider than the quota, so send
     /// jitter never pushes a strict provider over it.
     pub pacing_margin_pct: f64,
+    /// First wait when Redis (or an eligibility webhook) cannot be reached;
+    /// it doubles for each failure of the same job in a row, jittered, up
+    /// to `unavailable_retry_max_ms`. Low, so work resumes within seconds
+    /// of the dependency's return.
+    pub unavailable_retry_ms: u64,
+    pub unavailable_retry_max_ms: u64,
     /// How often a paused tenant's jobs come back to look again.
     pub pause_recheck_ms: u64,
     /// Shortest hop of a quota wait (a wait hops at most half its remaining
@@ -235,6 +241,8 @@ impl Default for Config {
             tenant_hold_max: 8,
             pacing_margin_pct: 2.0,
             pause_recheck_ms: 5_000,
+            unavailable_retry_ms: 1_000,
+            unavailable_retry_max_ms: 5_000,
             quota_recheck_ms: 5_000,
             concurrency_retry_ms: 100,
             denial_block: 8,
@@ -422,7 +430,8 @@ impl Config {
                 max: Duration::from_millis(self.backoff_max_ms),
             },
             tiers: self.tiers()?,
-            unavailable_retry: Duration::from_secs(1),
+            unavailable_retry: Duration::from_millis(self.unavailable_retry_ms),
+            unavailable_retry_max: Duration::from_millis(self.unavailable_retry_max_ms),
             quota_recheck: Duration::from_millis(self.quota_recheck_ms),
             default_retry_after: Duration::from_secs(1),
             min_retry_after: Duration::from_millis(self.min_retry_after_ms),

@@ -35,7 +35,9 @@ use tollgate_quota::{Keys, QuotaStore, Redis, RedisPermits, Target};
 use tracing::{Instrument, debug, error, info, info_span, warn};
 
 use crate::baseline::Baseline;
+use crate::commit::{CommitGate, Commitment, Shield};
 use crate::config::{Config, SecretUrl};
+use crate::health::Dependency;
 use crate::holds::HoldGate;
 use crate::metrics::{Metrics, UNKNOWN_TENANT};
 use crate::system_clock::SystemClock;
@@ -67,8 +69,16 @@ pub struct Worker<P, V> {
     clock: Arc<dyn Clock>,
     concurrency: u16,
     shutdown_grace: Duration,
-    /// Longest one delivery may take before it is handed back (a hang).
+    /// Longest one delivery may take before it is handed back (a hang);
+    /// never while its provider call or a broker retry is under way.
     delivery_timeout: Duration,
+    /// Provider calls begin only while it is open; shutdown closes it.
+    commits: CommitGate,
+    /// What a provider call and its bookkeeping may take at most: shutdown
+    /// stops new calls this long before its grace period ends.
+    commit_reserve: Duration,
+    redis_health: Dependency,
+    amqp_health: Dependency,
     consuming: AtomicBool,
     /// The last Redis readiness check: when, and whether it answered.
     redis_checked: tokio::sync::Mutex<Option<(Instant, bool)>>,
@@ -157,6 +167,12 @@ impl LiveWorker {
             concurrency: config.concurrency,
             shutdown_grace: Duration::from_millis(config.shutdown_grace_ms),
             delivery_timeout: Duration::from_millis(config.delivery_timeout_ms),
+            commits: CommitGate::default(),
+            commit_reserve: Duration::from_millis(config.provider_timeout_ms)
+                + RECORD_RETRY_FOR
+                + Duration::from_secs(1),
+            redis_health: Dependency::new("Redis", config.redis_url.redacted()),
+            amqp_health: Dependency::new("RabbitMQ", config.amqp_url.redacted()),
             consuming: AtomicBool::new(false),
             redis_checked: tokio::sync::Mutex::new(None),
             stopping: watch::channel(false).0,
@@ -195,16 +211,52 @@ enum SessionEnd {
     /// Shutdown was asked for; the consumers are cancelled and the channel
     /// stays open until in-flight deliveries are acked.
     Shutdown(ConsumerControl, Arc<Broker>),
+    /// Shutdown was asked for before the session was consuming.
+    Stopped,
     /// The connection or the consumer was lost.
     Lost(String),
 }
 
-/// Reconnect backoff: 0.5 s doubling to 30 s, full jitter.
-fn reconnect_delay(failures: u32) -> Duration {
-    let ceiling = Duration::from_millis(500)
-        .saturating_mul(1 << failures.min(6))
-        .min(Duration::from_secs(30));
-    ceiling.mul_f64(rand::random::<f64>().max(0.1))
+/// Why a delivery was handed back to its queue instead of settled.
+#[derive(Debug)]
+enum Handback {
+    /// Its successor could not be published and the connection is gone.
+    Broker(tollgate_amqp::AmqpError),
+    /// Shutdown stopped new provider calls before this one could begin.
+    Closing,
+}
+
+/// How long a sent record is retried after a provider's 2xx: well within
+/// the in-flight lease (provider timeout + 5 s), which keeps any other copy
+/// from being sent meanwhile.
+const RECORD_RETRY_FOR: Duration = Duration::from_secs(4);
+
+/// Reconnect backoff: 0.25 s doubling to 3 s, jittered to 50–100 %, so a
+/// worker consumes again within about 3 s of the broker's return and a
+/// fleet does not reconnect in step.
+pub fn reconnect_delay(failures: u32) -> Duration {
+    backoff(
+        Duration::from_millis(250),
+        Duration::from_secs(3),
+        failures,
+        rand::random(),
+    )
+}
+
+/// Waits between retries of a publish the broker refused.
+fn republish_delay(failures: u32) -> Duration {
+    backoff(
+        Duration::from_millis(200),
+        Duration::from_secs(10),
+        failures,
+        rand::random(),
+    )
+}
+
+/// `base` doubling per failure up to `max`, times 0.5 + 0.5 × `jitter`.
+fn backoff(base: Duration, max: Duration, failures: u32, jitter: f64) -> Duration {
+    let ceiling = base.saturating_mul(1 << failures.min(16)).min(max);
+    ceiling.mul_f64(0.5 + 0.5 * jitter.clamp(0.0, 1.0))
 }
 
 /// Decrements the in-flight gauge however a delivery ends (even a panic).
@@ -234,22 +286,37 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
         self.broker.read().expect("not poisoned").clone()
     }
 
-    /// What `/readyz` reports. Redis is asked at most once a second,
-    /// whatever the probe rate (concurrent probes share one answer).
-    pub async fn readiness(&self) -> Readiness {
-        let redis = {
-            let mut checked = self.redis_checked.lock().await;
-            match *checked {
-                Some((at, up)) if at.elapsed() < READINESS_TTL => up,
-                _ => {
-                    let up = tokio::time::timeout(Duration::from_secs(1), self.permits.ping())
-                        .await
-                        .is_ok_and(|r| r.is_ok());
-                    *checked = Some((Instant::now(), up));
-                    up
-                }
+    /// Whether Redis answers. Asked at most once a second, whatever the
+    /// probe rate (concurrent callers share one answer).
+    async fn check_redis(&self) -> bool {
+        let mut checked = self.redis_checked.lock().await;
+        if let Some((at, up)) = *checked
+            && at.elapsed() < READINESS_TTL
+        {
+            return up;
+        }
+        let answer = tokio::time::timeout(Duration::from_secs(1), self.permits.ping()).await;
+        let up = match answer {
+            Ok(Ok(())) => {
+                self.redis_health.up();
+                true
+            }
+            Ok(Err(e)) => {
+                self.redis_health.down(&e.to_string());
+                false
+            }
+            Err(_) => {
+                self.redis_health.down("no answer to PING within 1 s");
+                false
             }
         };
+        *checked = Some((Instant::now(), up));
+        up
+    }
+
+    /// What `/readyz` reports.
+    pub async fn readiness(&self) -> Readiness {
+        let redis = self.check_redis().await;
         Readiness {
             amqp: self.broker().is_some_and(|b| b.is_connected()),
             redis,
@@ -259,27 +326,29 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
 
     /// Runs sessions until `shutdown` resolves, reconnecting whenever one is
     /// lost. On shutdown: cancel the consumers (no new deliveries), park held
-    /// jobs at once, let in-flight deliveries settle within the grace period,
-    /// then close. Returns an error only if the grace period ran out.
+    /// jobs at once, let in-flight deliveries settle within the grace
+    /// period, then close. Provider calls already begun always finish and
+    /// are recorded and acked: late in the grace period no new one begins,
+    /// so they finish within it. Returns an error only if deliveries were
+    /// left unsettled (they return to their queue).
     pub async fn run(self: Arc<Self>, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
         let mut tasks = JoinSet::new();
         tokio::pin!(shutdown);
         let mut failures = 0u32;
         let seeder = self.seeder.lock().expect("not poisoned").take();
         let seeding = seeder.map(|seeder| tokio::spawn(seeder.run(self.stopping.subscribe())));
+        let watching = tokio::spawn(Arc::clone(&self).watch_redis());
         let last = loop {
             match self.session(&mut tasks, &mut shutdown).await {
                 Ok(SessionEnd::Shutdown(control, broker)) => break Some((control, broker)),
+                Ok(SessionEnd::Stopped) => break None,
                 Ok(SessionEnd::Lost(why)) => {
                     failures = 1;
-                    warn!(reason = %why, "RabbitMQ session lost; reconnecting");
+                    self.amqp_health.down(&format!("session lost: {why}"));
                 }
                 Err(e) => {
                     failures += 1;
-                    warn!(
-                        error = format!("{e:#}"),
-                        failures, "RabbitMQ session failed"
-                    );
+                    self.amqp_health.down(&format!("{e:#}"));
                 }
             }
             self.set_consuming(false);
@@ -295,14 +364,25 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
         };
         self.set_consuming(false);
         self.stopping.send_replace(true);
+        let grace_ends = tokio::time::Instant::now() + self.shutdown_grace;
         if let Some(seeding) = seeding {
             let _ = seeding.await;
         }
+        let _ = watching.await;
         info!(in_flight = tasks.len(), "draining in-flight deliveries");
-        let drained = tokio::time::timeout(self.shutdown_grace, async {
-            while tasks.join_next().await.is_some() {}
-        })
-        .await;
+        let drain = async |tasks: &mut JoinSet<Settled>| while tasks.join_next().await.is_some() {};
+        let calls_end = grace_ends - self.commit_reserve.min(self.shutdown_grace);
+        let _ = tokio::time::timeout_at(calls_end, drain(&mut tasks)).await;
+        if !tasks.is_empty() {
+            info!(
+                in_flight = tasks.len(),
+                "no new provider calls from now on; waiting for the calls begun"
+            );
+            self.commits.close().await;
+            // What is left never began a call: it parks or is handed back.
+            let deadline = grace_ends.max(tokio::time::Instant::now() + Duration::from_secs(1));
+            let _ = tokio::time::timeout_at(deadline, drain(&mut tasks)).await;
+        }
         let left = tasks.len();
         tasks.abort_all();
         if let Some((control, broker)) = last {
@@ -310,20 +390,31 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
             broker.close().await;
         }
         *self.broker.write().expect("not poisoned") = None;
-        match drained {
-            Ok(()) => Ok(()),
-            Err(_) => anyhow::bail!(
-                "grace period over with {left} deliveries unsettled: they return to their queue"
-            ),
+        if left > 0 {
+            anyhow::bail!(
+                "grace period over with {left} deliveries unsettled (none had begun a provider \
+                 call): they return to their queue"
+            );
+        }
+        Ok(())
+    }
+
+    /// Checks Redis every few seconds until the worker stops, so its state
+    /// is logged (and `/readyz` current) even when no job asks it.
+    async fn watch_redis(self: Arc<Self>) {
+        let mut stopping = self.stopping.subscribe();
+        loop {
+            self.check_redis().await;
+            tokio::select! {
+                () = tokio::time::sleep(Duration::from_secs(2)) => {}
+                _ = stopping.wait_for(|&s| s) => return,
+            }
         }
     }
 
-    /// One connection: declare, consume until shutdown or loss.
-    async fn session(
-        self: &Arc<Self>,
-        tasks: &mut JoinSet<Settled>,
-        shutdown: &mut std::pin::Pin<&mut impl Future<Output = ()>>,
-    ) -> anyhow::Result<SessionEnd> {
+    /// Connects, declares the topology and starts the consumers, each step
+    /// bounded.
+    async fn connect(&self) -> anyhow::Result<(Arc<Broker>, tollgate_amqp::Consumption)> {
         let broker = Arc::new(
             Broker::connect(
                 self.amqp_url.expose(),
@@ -338,10 +429,26 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
             let depth = broker.queue_depth(&queue).await.unwrap_or(0);
             warn!("{}", crate::cli::draining_note(&queue, depth));
         }
-        let mut consumption = broker.consume(&self.name, self.concurrency).await?;
+        let consumption = broker.consume(&self.name, self.concurrency).await?;
+        Ok((broker, consumption))
+    }
+
+    /// One connection: connect, declare, consume until shutdown or loss.
+    /// Shutdown is heard at every step, connecting included.
+    async fn session(
+        self: &Arc<Self>,
+        tasks: &mut JoinSet<Settled>,
+        shutdown: &mut std::pin::Pin<&mut impl Future<Output = ()>>,
+    ) -> anyhow::Result<SessionEnd> {
+        let (broker, mut consumption) = tokio::select! {
+            connected = self.connect() => connected?,
+            () = shutdown.as_mut() => return Ok(SessionEnd::Stopped),
+        };
         *self.broker.write().expect("not poisoned") = Some(Arc::clone(&broker));
+        self.amqp_health.up();
         self.set_consuming(true);
         info!(name = %self.name, concurrency = self.concurrency, "worker consuming");
+        let mut health = tokio::time::interval(Duration::from_secs(1));
         let lost = loop {
             tokio::select! {
                 () = shutdown.as_mut() => break None,
@@ -354,6 +461,16 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
                     None => break Some("the broker cancelled the consumer".to_owned()),
                 },
                 Some(_) = tasks.join_next(), if !tasks.is_empty() => {}
+                _ = health.tick() => {
+                    if !broker.connection_alive() {
+                        break Some("the connection closed".to_owned());
+                    }
+                    if !broker.is_connected()
+                        && let Err(e) = broker.repair_publisher().await
+                    {
+                        warn!(error = %e, "reopening the publisher channel");
+                    }
+                }
             }
         };
         self.set_consuming(false);
@@ -373,14 +490,31 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
 
     /// Runs [`Worker::process_one`] guarded: a panic or an overrun hands the
     /// delivery back to its queue (its delivery count rises, so a message
-    /// that keeps crashing workers ends in the DLQ as `poison`).
+    /// that keeps crashing workers ends in the DLQ as `poison`). An overrun
+    /// while a provider call or a broker retry is under way is waited out:
+    /// handing back a delivery whose call may have been accepted would send
+    /// it twice, and a broker's refusal is not the job's fault.
     async fn settle(&self, broker: &Broker, delivery: Delivery) -> Settled {
         let acker = delivery.acker.clone();
-        let work = AssertUnwindSafe(self.process_one(broker, delivery)).catch_unwind();
-        let failure = match tokio::time::timeout(self.delivery_timeout, work).await {
-            Ok(Ok(settled)) => return settled,
-            Ok(Err(_)) => "processing panicked",
-            Err(_) => "processing overran delivery_timeout_ms",
+        let shield = Shield::default();
+        let work = AssertUnwindSafe(self.process(broker, delivery, &shield)).catch_unwind();
+        tokio::pin!(work);
+        let failure = tokio::select! {
+            done = &mut work => match done {
+                Ok(settled) => return settled,
+                Err(_) => "processing panicked",
+            },
+            () = tokio::time::sleep(self.delivery_timeout) => {
+                if shield.raised() {
+                    warn!("delivery_timeout_ms passed during a provider call or a broker retry: letting it finish");
+                    match work.await {
+                        Ok(settled) => return settled,
+                        Err(_) => "processing panicked",
+                    }
+                } else {
+                    "processing overran delivery_timeout_ms"
+                }
+            }
         };
         error!(failure, "handing the delivery back to its queue");
         if let Err(e) = tollgate_amqp::requeue(&acker).await {
@@ -392,16 +526,28 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
     /// Carries one delivery to a settled outcome and acks it (or hands it
     /// back when its successor could not be published).
     pub async fn process_one(&self, broker: &Broker, delivery: Delivery) -> Settled {
+        self.process(broker, delivery, &Shield::default()).await
+    }
+
+    async fn process(&self, broker: &Broker, delivery: Delivery, shield: &Shield) -> Settled {
         let _in_flight = InFlight::new(&self.metrics);
-        match self.handle(broker, &delivery).await {
+        // Dropped only once the delivery is acked (or handed back).
+        let mut commitment = Commitment::new(shield.clone());
+        match self.handle(broker, &delivery, &mut commitment).await {
             Ok(settled) => {
                 if let Err(e) = tollgate_amqp::ack(&delivery).await {
                     warn!(error = %e, "ack failed: the broker will redeliver, idempotency stops a double send");
                 }
                 settled
             }
-            Err(e) => {
-                error!(error = %e, "could not publish a parked or dead-lettered copy; requeueing");
+            Err(why) => {
+                match why {
+                    Handback::Broker(e) => error!(
+                        error = %e,
+                        "could not publish a parked or dead-lettered copy and the connection is gone"
+                    ),
+                    Handback::Closing => info!("shutting down: handing the delivery back"),
+                }
                 if let Err(e) = tollgate_amqp::requeue(&delivery.acker).await {
                     warn!(error = %e, "requeue failed: the broker requeues it when the channel closes");
                 }
@@ -410,11 +556,51 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
         }
     }
 
+    /// Publishes a delivery's successor (`publish`), retrying in place with
+    /// backoff and jitter while the broker refuses it and the connection
+    /// lives: the delivery stays unacked meanwhile and nothing counts
+    /// against the job. A closed publisher channel is reopened (and the
+    /// topology declared again). Gives up only when the connection is gone;
+    /// the broker then hands the delivery out again.
+    async fn publish_durably<F, Fut>(
+        &self,
+        broker: &Broker,
+        shield: &Shield,
+        what: &'static str,
+        publish: F,
+    ) -> Result<(), Handback>
+    where
+        F: Fn() -> Fut,
+        Fut: Future<Output = Result<(), tollgate_amqp::AmqpError>>,
+    {
+        let mut failures = 0u32;
+        let mut _shielded = None;
+        loop {
+            let error = match publish().await {
+                Ok(()) => return Ok(()),
+                Err(e) => e,
+            };
+            if !broker.connection_alive() {
+                return Err(Handback::Broker(error));
+            }
+            _shielded.get_or_insert_with(|| shield.raise());
+            if let Err(e) = broker.repair_publisher().await {
+                warn!(error = %e, "reopening the publisher channel");
+            }
+            let wait = republish_delay(failures);
+            failures += 1;
+            warn!(error = %error, what, failures, retry_in_ms = wait.as_millis() as u64,
+                "the broker refused a publish: retrying, the delivery is kept");
+            tokio::time::sleep(wait).await;
+        }
+    }
+
     async fn handle(
         &self,
         broker: &Broker,
         delivery: &Delivery,
-    ) -> Result<Settled, tollgate_amqp::AmqpError> {
+        commitment: &mut Commitment,
+    ) -> Result<Settled, Handback> {
         let now = self.clock.now();
         let progress = headers::read_progress(delivery.properties.headers().as_ref());
         let job = progress
@@ -424,7 +610,7 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
             Ok(ok) => ok,
             Err(malformed) => {
                 return self
-                    .reject_malformed(broker, delivery, &malformed, now)
+                    .reject_malformed(broker, delivery, &malformed, now, commitment)
                     .await;
             }
         };
@@ -449,6 +635,7 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
             &job,
             &tenant,
             JobRun::new(&job, progress, now),
+            commitment,
         )
         .instrument(span)
         .await
@@ -479,11 +666,13 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
         delivery: &Delivery,
         malformed: &Malformed,
         now: UnixMillis,
-    ) -> Result<Settled, tollgate_amqp::AmqpError> {
+        commitment: &Commitment,
+    ) -> Result<Settled, Handback> {
         let detail = malformed.to_string();
-        broker
-            .dead_letter(delivery, None, DeadReason::Malformed, &detail, now)
-            .await?;
+        self.publish_durably(broker, commitment.shield(), "a dead letter", || {
+            broker.dead_letter(delivery, None, DeadReason::Malformed, &detail, now)
+        })
+        .await?;
         // Only a valid tenant may become a label.
         let tenant = tollgate_core::TenantId::parse(delivery.routing_key.as_str())
             .map(|t| self.metrics.tenant(t.as_str()))
@@ -501,7 +690,8 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
         job: &Job,
         tenant: &str,
         mut run: JobRun,
-    ) -> Result<Settled, tollgate_amqp::AmqpError> {
+        commitment: &mut Commitment,
+    ) -> Result<Settled, Handback> {
         let lease_token = uuid::Uuid::new_v4().to_string();
         let mut request = PermitRequest {
             tenant: &job.tenant,
@@ -517,6 +707,8 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
         loop {
             action = match action {
                 Action::Hold { until, reason } => {
+                    // Waiting again: nothing begun that cannot be stopped.
+                    commitment.end();
                     // A reservation (no reason) is always held: its permit is
                     // taken. Any other wait is held only while this pod holds
                     // few of the tenant's jobs, so one tenant's waits cannot
@@ -554,7 +746,10 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
                         enqueued_at: Some(now.saturating_add(tier)),
                         ..run.progress().clone()
                     };
-                    broker.park(delivery, &job.tenant, &progress, tier).await?;
+                    self.publish_durably(broker, commitment.shield(), "a parked copy", || {
+                        broker.park(delivery, &job.tenant, &progress, tier)
+                    })
+                    .await?;
                     self.metrics.tier_publish(tier);
                     if !hop {
                         self.metrics.parked(tenant, reason);
@@ -571,7 +766,7 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
                 Action::CheckEligibility => {
                     let eligibility = self.provider.eligibility(job).await;
                     now = self.clock.now();
-                    run.on_eligibility(&self.policy, eligibility, now)
+                    run.on_eligibility(&self.policy, eligibility, now, rand::random())
                 }
                 Action::AskPermit => {
                     if let Some(ceiling) = &self.ceiling {
@@ -580,13 +775,20 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
                         ceiling.until_ready().await;
                     }
                     request.returning = run.returning(now);
-                    let decision = self.permits.acquire(request).await.unwrap_or_else(|e| {
-                        warn!(error = %e, "permit store unavailable: failing closed");
-                        PermitDecision::Unavailable
-                    });
+                    let decision = match self.permits.acquire(request).await {
+                        Ok(decision) => {
+                            self.redis_health.up();
+                            decision
+                        }
+                        Err(e) => {
+                            // Fail closed: no provider call without a permit.
+                            self.redis_health.down(&e.to_string());
+                            PermitDecision::Unavailable
+                        }
+                    };
                     self.metrics.permit(tenant, &decision);
                     now = self.clock.now();
-                    run.on_permit(&self.policy, decision, now)
+                    run.on_permit(&self.policy, decision, now, rand::random())
                 }
                 Action::CallProvider => {
                     let scope = self.provider.throttle_scope(job);
@@ -598,6 +800,12 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
                         self.complete_permit(request, false, None).await;
                         action = run.hold_back(&self.policy, until, now);
                         continue;
+                    }
+                    if !commitment.begin(&self.commits).await {
+                        // Shutting down: too late in the grace period to
+                        // begin a call. Release the permit, hand it back.
+                        self.complete_permit(request, false, None).await;
+                        return Err(Handback::Closing);
                     }
                     let attempt = run.attempt();
                     if attempt == 1 {
@@ -627,9 +835,10 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
                     run.on_provider(&self.policy, outcome, now, rand::random::<f64>())
                 }
                 Action::DeadLetter { reason, detail } => {
-                    broker
-                        .dead_letter(delivery, Some(run.progress()), reason, &detail, now)
-                        .await?;
+                    self.publish_durably(broker, commitment.shield(), "a dead letter", || {
+                        broker.dead_letter(delivery, Some(run.progress()), reason, &detail, now)
+                    })
+                    .await?;
                     self.metrics
                         .dead_lettered(tenant, reason, run.progress().quota_wait);
                     self.log_decision(
@@ -652,29 +861,43 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
         }
     }
 
-    /// Records a sent key (retrying briefly: it is what stops a redelivered
-    /// copy from being sent again) and releases the lease.
+    /// Records a sent key and releases the lease. A sent key is retried
+    /// with backoff for [`RECORD_RETRY_FOR`], well within the lease that
+    /// keeps any other copy from being sent meanwhile: the record is what
+    /// stops a redelivered copy from being sent again.
     async fn complete_permit(
         &self,
         request: PermitRequest<'_>,
         sent: bool,
         penalty: Option<Penalty>,
     ) {
-        for attempt in 1..=3u32 {
-            match self.permits.complete(request, sent, penalty).await {
-                Ok(()) => return,
-                Err(e) if attempt < 3 && sent => {
-                    warn!(error = %e, attempt, "recording the sent key failed; retrying");
-                    tokio::time::sleep(Duration::from_millis(100 * u64::from(attempt))).await;
-                }
-                Err(e) => {
-                    if sent {
-                        error!(error = %e, "sent, but the idempotency record could not be written: \
-                            a redelivered copy is deduplicated only by the provider's Idempotency-Key");
-                    }
+        let started = Instant::now();
+        let mut failures = 0u32;
+        loop {
+            let error = match self.permits.complete(request, sent, penalty).await {
+                Ok(()) => {
+                    self.redis_health.up();
                     return;
                 }
+                Err(e) => e,
+            };
+            self.redis_health.down(&error.to_string());
+            let wait = backoff(
+                Duration::from_millis(100),
+                Duration::from_secs(1),
+                failures,
+                rand::random(),
+            );
+            failures += 1;
+            if !sent || started.elapsed() + wait > RECORD_RETRY_FOR {
+                if sent {
+                    error!(error = %error, "sent, but the idempotency record could not be written: \
+                        a redelivered copy is deduplicated only by the provider's Idempotency-Key");
+                }
+                return;
             }
+            warn!(error = %error, failures, "recording the sent key failed; retrying");
+            tokio::time::sleep(wait).await;
         }
     }
 
@@ -697,6 +920,27 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
             attempt = run.attempt(),
             idempotency_key = %job.idempotency_key,
             "decision"
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_worker_reconnects_within_seconds_whatever_the_outage() {
+        for failures in 0..100 {
+            let wait = reconnect_delay(failures);
+            assert!(
+                wait <= Duration::from_secs(3),
+                "after {failures} failures: {wait:?}"
+            );
+        }
+        assert_eq!(
+            backoff(Duration::from_millis(250), Duration::from_secs(3), 20, 0.0),
+            Duration::from_millis(1_500),
+            "jittered down to half the ceiling, never to zero"
         );
     }
 }
