@@ -135,7 +135,9 @@ pub enum ProviderResponse {
 /// typo on its side cannot park a job for a year.
 pub const MAX_RETRY_AFTER: Duration = Duration::from_secs(3600);
 
-/// Classifies a provider response as DESIGN.md's decision table says.
+/// Classifies a provider response: 2xx `sent`; 429 `throttled`; 408, 5xx,
+/// timeouts and transport errors `failed` (retried); anything else,
+/// redirects included, `rejected`.
 pub fn classify(response: &ProviderResponse, now: UnixMillis) -> ProviderOutcome {
     match response {
         ProviderResponse::Timeout | ProviderResponse::Transport => ProviderOutcome::Failed,

@@ -1,4 +1,4 @@
-//! The metrics operators watch (DESIGN.md, "Metrics"). Label values come from
+//! The metrics operators watch (README, "Metrics and health"). Label values come from
 //! closed enums or from the bounded tenant label; no job id, key or payload is
 //! ever a label.
 
