@@ -14,7 +14,6 @@ use tollgate_amqp::lapin::options::{
     BasicConsumeOptions, BasicQosOptions, QueueDeclareOptions, QueueDeleteOptions,
 };
 use tollgate_amqp::lapin::types::FieldTable;
-use tollgate_amqp::lapin::{Connection, ConnectionProperties};
 use tollgate_core::UnixMillis;
 use tollgate_tests::{FakeProvider, TestEnv, effects, fake_provider, max_in_window, now, wait_for};
 
@@ -170,13 +169,7 @@ async fn a_job_due_in_two_hours_is_parked_and_consumer_timeout_never_fires() {
 
     // A control consumer that holds a message unacked, as a worker that
     // slept on a due time would: the broker closes its channel.
-    let conn = Connection::connect(
-        env.config.amqp_url.expose(),
-        ConnectionProperties::default(),
-    )
-    .await
-    .unwrap();
-    let channel = conn.create_channel().await.unwrap();
+    let (conn, channel) = env.raw_channel().await;
     let control = format!("{}.control", env.config.prefix);
     let durable = QueueDeclareOptions {
         durable: true,

@@ -554,17 +554,10 @@ async fn listing_dead_letters_never_wears_them_out() {
         QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions,
     };
     use tollgate_amqp::lapin::types::{AMQPValue, FieldTable, LongString};
-    use tollgate_amqp::lapin::{Connection, ConnectionProperties};
 
     let env = TestEnv::new("http://127.0.0.1:9/unused").await;
     let topology = env.broker.topology().clone();
-    let conn = Connection::connect(
-        env.config.amqp_url.expose(),
-        ConnectionProperties::default(),
-    )
-    .await
-    .unwrap();
-    let channel = conn.create_channel().await.unwrap();
+    let (conn, channel) = env.raw_channel().await;
     let dead = topology.dead_queue();
     channel
         .queue_delete(dead.as_str().into(), QueueDeleteOptions::default())
@@ -786,7 +779,6 @@ async fn a_long_redis_outage_turns_no_job_into_poison() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_closed_publisher_channel_is_reopened_and_nothing_is_lost() {
     use tollgate_amqp::lapin::options::ExchangeDeleteOptions;
-    use tollgate_amqp::lapin::{Connection, ConnectionProperties};
 
     let provider = FakeProvider::start(fake_provider::always_ok())
         .await
@@ -800,13 +792,7 @@ async fn a_closed_publisher_channel_is_reopened_and_nothing_is_lost() {
     })
     .await;
     // Someone deletes the delay tiers' exchanges under the running worker.
-    let conn = Connection::connect(
-        env.config.amqp_url.expose(),
-        ConnectionProperties::default(),
-    )
-    .await
-    .unwrap();
-    let channel = conn.create_channel().await.unwrap();
+    let (conn, channel) = env.raw_channel().await;
     let topology = env.broker.topology().clone();
     for tier in env.config.tiers().unwrap().all() {
         channel

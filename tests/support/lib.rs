@@ -212,6 +212,25 @@ impl TestEnv {
             .collect()
     }
 
+    /// A connection of the test's own, and a channel on it, for what
+    /// tollgate would never do itself (delete an exchange under a worker,
+    /// declare a queue differently). Close the connection when done.
+    pub async fn raw_channel(
+        &self,
+    ) -> (
+        tollgate_amqp::lapin::Connection,
+        tollgate_amqp::lapin::Channel,
+    ) {
+        let conn = tollgate_amqp::lapin::Connection::connect(
+            self.config.amqp_url.expose(),
+            tollgate_amqp::lapin::ConnectionProperties::default(),
+        )
+        .await
+        .expect("RabbitMQ is reachable");
+        let channel = conn.create_channel().await.expect("a channel");
+        (conn, channel)
+    }
+
     /// A fresh connection after the broker was restarted under us.
     pub async fn reconnect(&mut self) {
         self.broker = cli::connect_broker(&self.config, "test")

@@ -516,39 +516,31 @@ impl Broker {
                     break;
                 };
                 let delivery = msg.delivery;
-                let moved = match decide(&delivery) {
+                let mut headers = delivery.properties.headers().clone().unwrap_or_default();
+                let exchange = match decide(&delivery) {
+                    // The delivery count goes: the copy starts unworn.
                     Sweep::Keep => {
-                        let headers = headers::without(
-                            delivery.properties.headers().clone().unwrap_or_default(),
-                            headers::RABBITMQ_DELIVERY_COUNT,
-                        );
-                        let exchange = self.topology.dead_letter_exchange();
-                        let props = copy_properties(&delivery, headers);
-                        self.publish(
-                            &exchange,
-                            delivery.routing_key.as_str(),
-                            &delivery.data,
-                            props,
-                        )
-                        .await
+                        headers = headers::without(headers, headers::RABBITMQ_DELIVERY_COUNT);
+                        self.topology.dead_letter_exchange()
                     }
+                    // Attempts start again.
                     Sweep::Replay => {
-                        let mut fresh = delivery.properties.headers().clone().unwrap_or_default();
                         let rabbitmq = ["x-death", headers::RABBITMQ_DELIVERY_COUNT];
                         for name in headers::ALL.into_iter().chain(rabbitmq) {
-                            fresh = headers::without(fresh, name);
+                            headers = headers::without(headers, name);
                         }
-                        let props = copy_properties(&delivery, fresh);
-                        let exchange = self.topology.jobs_exchange();
-                        self.publish(
-                            &exchange,
-                            delivery.routing_key.as_str(),
-                            &delivery.data,
-                            props,
-                        )
-                        .await
+                        self.topology.jobs_exchange()
                     }
                 };
+                let props = copy_properties(&delivery, headers);
+                let moved = self
+                    .publish(
+                        &exchange,
+                        delivery.routing_key.as_str(),
+                        &delivery.data,
+                        props,
+                    )
+                    .await;
                 match moved {
                     Ok(()) => {
                         bounded("an ack", async {
