@@ -192,20 +192,33 @@ impl Broker {
         let fresh = bounded("a publisher channel", confirmed_channel(&self.conn)).await?;
         *self.publisher.write().expect("not poisoned") = fresh;
         tracing::warn!("the broker closed the publisher channel: reopened it");
-        self.declare_topology().await.map(drop)
+        self.declare_topology().await
     }
 
     /// Declares the whole topology on a fresh channel (a failed declare
-    /// closes its channel, so it must not be the publisher's). Work queues
-    /// left by a larger `shards` are unbound from the jobs exchange, so no
-    /// new job lands there, and [`Broker::consume`] drains them; returns
-    /// their names.
-    pub async fn declare_topology(&self) -> Result<Vec<String>, AmqpError> {
+    /// closes its channel, so it must not be the publisher's).
+    pub async fn declare_topology(&self) -> Result<(), AmqpError> {
         let channel = self.open_channel().await?;
         let declared = bounded("the topology declaration", self.topology.declare(&channel)).await;
         let _ = channel.close(200, "declared".into()).await;
-        declared?;
-        let stale = self.stale_work_queues().await?;
+        declared
+    }
+
+    /// Work queues left by a larger `shards`: unbound from the jobs
+    /// exchange, so no new job lands there, and drained by
+    /// [`Broker::consume`]; returns their names. `known` is how many work
+    /// queues may exist (from the last declaration); queues are probed from
+    /// `shards` up to it, or, when unknown, up to the first missing one.
+    /// (Probing a missing queue makes the broker close a channel, which
+    /// lapin logs as an error: hence the bound.)
+    pub async fn drain_stale_work_queues(
+        &self,
+        known: Option<u16>,
+    ) -> Result<Vec<String>, AmqpError> {
+        let stale = match known {
+            Some(n) if n <= self.topology.shards() => Vec::new(),
+            _ => self.stale_work_queues(known).await?,
+        };
         if !stale.is_empty() {
             let channel = self.open_channel().await?;
             let unbound = bounded("unbinding stale work queues", async {
@@ -222,11 +235,11 @@ impl Broker {
         Ok(stale)
     }
 
-    /// `{prefix}.work.N` for N ≥ shards that still exist, probed in order
-    /// until one is missing.
-    async fn stale_work_queues(&self) -> Result<Vec<String>, AmqpError> {
+    /// `{prefix}.work.N` for N ≥ shards (below `known`) that still exist,
+    /// probed in order until one is missing.
+    async fn stale_work_queues(&self, known: Option<u16>) -> Result<Vec<String>, AmqpError> {
         let mut stale = Vec::new();
-        for i in self.topology.shards().. {
+        for i in self.topology.shards()..known.unwrap_or(u16::MAX) {
             let queue = self.topology.work_queue(i);
             // A passive declare of a missing queue closes its channel.
             let channel = self.open_channel().await?;

@@ -122,6 +122,12 @@ impl Keys {
         format!("{}:baseline-applied", self.prefix)
     }
 
+    /// How many work queues may exist (`{prefix}.work.0` up to it): the
+    /// largest `shards` declared whose queues are not all gone.
+    pub fn work_queues(&self) -> String {
+        format!("{}:work-queues", self.prefix)
+    }
+
     /// Stream of every quota change: who, when, old → new.
     pub fn audit(&self) -> String {
         format!("{}:audit", self.prefix)

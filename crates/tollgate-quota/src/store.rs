@@ -256,6 +256,23 @@ impl QuotaStore {
         Ok(written)
     }
 
+    /// How many work queues may exist, as last recorded.
+    pub async fn work_queues(&self) -> Result<Option<u16>, QuotaError> {
+        let mut conn = self.redis.conn().await?;
+        let n: Option<u16> = conn
+            .get(self.keys.work_queues())
+            .await
+            .map_err(|e| self.redis.classify(e))?;
+        Ok(n)
+    }
+
+    pub async fn set_work_queues(&self, n: u16) -> Result<(), QuotaError> {
+        let mut conn = self.redis.conn().await?;
+        conn.set(self.keys.work_queues(), n)
+            .await
+            .map_err(|e| self.redis.classify(e))
+    }
+
     /// Whether the quota baseline has an entry for `target` (one was
     /// applied, or found overridden by a live quota).
     pub async fn in_baseline(&self, target: &Target) -> Result<bool, QuotaError> {

@@ -403,7 +403,7 @@ pub async fn publish_reliably(
             Ok(broker) => {
                 let declared = broker.declare_topology().await;
                 let (failed, error) = match declared {
-                    Ok(_) => publish_batch(&broker, &left, now).await,
+                    Ok(()) => publish_batch(&broker, &left, now).await,
                     Err(e) => (left.clone(), Some(e)),
                 };
                 broker.close().await;
@@ -716,7 +716,7 @@ pub async fn topology(config: &Config, command: &TopologyCommand) -> anyhow::Res
     match command {
         TopologyCommand::Declare => {
             let broker = connect_broker(config, "topology").await?;
-            let draining = broker.declare_topology().await?;
+            let draining = declare(&broker, &quota_store(config)?).await?;
             let t = broker.topology();
             println!(
                 "declared {} → {} work queue(s), {} delay tier(s), {}",
@@ -733,6 +733,29 @@ pub async fn topology(config: &Config, command: &TopologyCommand) -> anyhow::Res
         }
     }
     Ok(())
+}
+
+/// Declares the topology, and drains the work queues a larger `shards` left
+/// behind (how many may exist is recorded in Redis); returns their names.
+/// With Redis unreachable, only the declaration is done.
+pub async fn declare(broker: &Broker, store: &QuotaStore) -> anyhow::Result<Vec<String>> {
+    broker.declare_topology().await?;
+    let shards = broker.topology().shards();
+    let known = match store.work_queues().await {
+        Ok(known) => known,
+        Err(e) => {
+            tracing::warn!(error = %e, "not looking for work queues left by a larger shards");
+            Some(shards)
+        }
+    };
+    let stale = broker.drain_stale_work_queues(known).await?;
+    let exist = shards + stale.len() as u16;
+    if known != Some(exist)
+        && let Err(e) = store.set_work_queues(exist).await
+    {
+        tracing::warn!(error = %e, "recording how many work queues exist");
+    }
+    Ok(stale)
 }
 
 /// What an operator needs to know about a work queue left by a larger

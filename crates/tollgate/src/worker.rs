@@ -89,6 +89,8 @@ pub struct Worker<P, V> {
     throttles: LocalThrottles,
     /// Optional per-pod ceiling on provider calls (governor, local only).
     ceiling: Option<DefaultDirectRateLimiter>,
+    /// Where the worker records how many work queues exist.
+    quotas: QuotaStore,
     /// Re-seeds the quota baseline into Redis when quotas go missing.
     seeder: std::sync::Mutex<Option<Seeder>>,
 }
@@ -147,7 +149,7 @@ impl LiveWorker {
             every: Duration::from_millis(config.quota_seed_interval_ms),
         });
         let permits =
-            RedisPermits::new(redis, Keys::new(&config.prefix), config.permit_settings()?);
+            RedisPermits::new(Arc::clone(&redis), Keys::new(&config.prefix), config.permit_settings()?);
         let provider = HttpProvider::new(
             config.routes()?,
             Duration::from_millis(config.provider_timeout_ms),
@@ -179,6 +181,7 @@ impl LiveWorker {
             holds: HoldGate::new(config.tenant_hold_max),
             throttles: LocalThrottles::default(),
             seeder: std::sync::Mutex::new(seeder),
+            quotas: QuotaStore::new(Arc::clone(&redis), Keys::new(&config.prefix)),
             ceiling: config.pod_max_rate()?.map(|rate| {
                 let period = Duration::from_micros(rate.interval_micros());
                 RateLimiter::direct(
@@ -425,7 +428,7 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
             )
             .await?,
         );
-        for queue in broker.declare_topology().await? {
+        for queue in crate::cli::declare(&broker, &self.quotas).await? {
             let depth = broker.queue_depth(&queue).await.unwrap_or(0);
             warn!("{}", crate::cli::draining_note(&queue, depth));
         }
