@@ -33,11 +33,13 @@ test: services
 # A live demonstration: fake provider with its own per-tenant limits, four
 # tenants, three workers, a table per tenant; about 30 s, exits 0.
 demo: services
-	$(CARGO) run --release --quiet -p tollgate -- demo $(DEMO_ARGS)
+	$(CARGO) build --release --quiet -p tollgate -p tollgate-dev
+	target/release/tollgate-dev demo $(DEMO_ARGS)
 
 # Throughput and pacing figures, written to target/bench/.
 bench: services
-	$(CARGO) run --release --quiet -p tollgate -- bench $(BENCH_ARGS)
+	$(CARGO) build --release --quiet -p tollgate -p tollgate-dev
+	target/release/tollgate-dev bench $(BENCH_ARGS)
 
 # Fuzz the message decoder/validator for FUZZ_SECONDS (default 60) from the
 # committed seed corpus (fuzz/corpus/decode); new inputs go to

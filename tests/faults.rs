@@ -87,7 +87,7 @@ async fn redis_down_means_no_call_then_everything_once_it_returns() {
     let url = redis.url();
     // The quota comes from config: a restarted Redis has lost what was stored.
     let env = TestEnv::new_with(&provider.url(), |c| {
-        c.redis_url = tollgate::config::SecretUrl::new(url);
+        c.redis_url = tollgate_core::SecretUrl::new(url);
         c.default_rate = "100/s".into();
         c.default_burst = 10;
     })
@@ -738,7 +738,7 @@ async fn a_long_redis_outage_turns_no_job_into_poison() {
         .unwrap();
     let url = redis.url();
     let env = TestEnv::new_with(&provider.url(), |c| {
-        c.redis_url = tollgate::config::SecretUrl::new(url);
+        c.redis_url = tollgate_core::SecretUrl::new(url);
         c.default_rate = "100/s".into();
         c.default_burst = 10;
         c.delivery_limit = 2;
@@ -844,10 +844,15 @@ async fn a_worker_stopped_while_connecting_exits_at_once() {
     let env = TestEnv::new("http://127.0.0.1:9/unused").await;
     let mut config = env.config.clone();
     config.amqp_url =
-        tollgate::config::SecretUrl::new(format!("amqp://guest:guest@127.0.0.1:{port}/%2f"));
+        tollgate_core::SecretUrl::new(format!("amqp://guest:guest@127.0.0.1:{port}/%2f"));
     config.shutdown_grace_ms = 2_000;
-    let worker =
-        Arc::new(tollgate::LiveWorker::new(&config, tollgate::Metrics::new(50, &[])).unwrap());
+    let worker = Arc::new(
+        tollgate_runtime::LiveWorker::new(
+            &config.worker_settings().unwrap(),
+            tollgate_runtime::Metrics::new(50, &[]),
+        )
+        .unwrap(),
+    );
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let run = tokio::spawn(Arc::clone(&worker).run(async move {
         let _ = stopped.await;

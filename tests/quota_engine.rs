@@ -6,8 +6,8 @@ use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tollgate::fake_provider::Received;
 use tollgate_core::{JobId, Kind, TenantId};
+use tollgate_dev::fake_provider::Received;
 use tollgate_quota::{Change, Target};
 use tollgate_tests::{FakeProvider, Reply, TestEnv, fake_provider, max_in_window, wait_for};
 
@@ -406,7 +406,7 @@ async fn the_eligibility_webhook_skips_jobs_without_using_quota() {
     env.set_quota("crm", "100/s", 10).await;
     let worker = env
         .spawn_worker_with(|c| {
-            c.eligibility_url = Some(tollgate::config::SecretUrl::new(webhook.url()))
+            c.eligibility_url = Some(tollgate_core::SecretUrl::new(webhook.url()))
         })
         .await;
     for n in 0..10 {
@@ -454,10 +454,8 @@ async fn the_admin_api_needs_the_right_token() {
     let state = tollgate::admin::AdminState {
         store: Arc::new(tollgate::cli::quota_store(&env.config).unwrap()),
         token: Some(
-            tollgate::admin::AdminToken::new(tollgate::config::Secret::new(
-                "right-token-0123456789",
-            ))
-            .unwrap(),
+            tollgate::admin::AdminToken::new(tollgate_core::Secret::new("right-token-0123456789"))
+                .unwrap(),
         ),
         config_default: env.config.default_quota().unwrap(),
         cancel_ttl: Duration::from_secs(60),
@@ -565,7 +563,7 @@ async fn the_quota_baseline_survives_losing_redis_and_never_overrides_a_live_cha
     .unwrap();
     let (url, path) = (redis.url(), file.display().to_string());
     let env = TestEnv::new_with("http://127.0.0.1:9/unused", |c| {
-        c.redis_url = tollgate::config::SecretUrl::new(url);
+        c.redis_url = tollgate_core::SecretUrl::new(url);
         c.quotas_file = Some(path);
         c.quota_seed_interval_ms = 200;
     })
@@ -620,14 +618,14 @@ async fn the_quota_baseline_survives_losing_redis_and_never_overrides_a_live_cha
 
     // export writes the live state in the baseline's format.
     env.set_quota("acme", "11/s", 2).await;
-    let exported = tollgate::baseline::Baseline::export(&env.quotas)
+    let exported = tollgate_runtime::baseline::Baseline::export(&env.quotas)
         .await
         .unwrap();
     assert_eq!(exported.tenants["acme"].rate, "11/s");
     assert_eq!(exported.tenants["acme"].burst, 2);
     assert_eq!(exported.routes["default"].rate, "50/s");
     // and seed --overwrite is the deliberate reset.
-    let baseline = tollgate::baseline::Baseline::load(&file.display().to_string()).unwrap();
+    let baseline = tollgate_runtime::baseline::Baseline::load(&file.display().to_string()).unwrap();
     baseline.seed(&env.quotas, true).await.unwrap();
     assert_eq!(stored(acme.clone()).await, Some(quota("7/s", 1)));
 

@@ -8,10 +8,10 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use tollgate::config::SecretUrl;
 use tollgate_amqp::job_properties;
 use tollgate_amqp::lapin::BasicProperties;
 use tollgate_amqp::lapin::types::{AMQPValue, FieldTable, LongString};
+use tollgate_core::SecretUrl;
 use tollgate_core::ports::PermitStore;
 use tollgate_tests::{
     FakeProvider, TestEnv, effects, fake_provider, free_port, tollgate_bin, wait_for,
@@ -550,7 +550,7 @@ async fn the_http_port_bounds_connections_stalled_clients_and_probes() {
     .await;
     let worker = env.spawn_worker().await;
     let token =
-        tollgate::admin::AdminToken::new(tollgate::config::Secret::new("a-token-of-twenty-bytes"))
+        tollgate::admin::AdminToken::new(tollgate_core::Secret::new("a-token-of-twenty-bytes"))
             .unwrap();
     let admin = tollgate::admin::AdminState {
         store: std::sync::Arc::new(tollgate::cli::quota_store(&env.config).unwrap()),

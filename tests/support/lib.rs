@@ -9,14 +9,15 @@ use std::time::{Duration, Instant};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tollgate::cli::{self, DeadLetter};
-use tollgate::config::{Config, LogFormat, SecretUrl};
-use tollgate::{LiveWorker, Metrics};
+use tollgate::config::{Config, LogFormat};
 use tollgate_amqp::lapin::BasicProperties;
 use tollgate_amqp::{Broker, job_properties};
+use tollgate_core::SecretUrl;
 use tollgate_core::{Job, Quota, TenantId, UnixMillis};
 use tollgate_quota::{Actor, Change, QuotaStore, Target};
+use tollgate_runtime::{LiveWorker, Metrics};
 
-pub use tollgate::fake_provider::{self, FakeProvider, Received, Reply, max_in_window};
+pub use tollgate_dev::fake_provider::{self, FakeProvider, Received, Reply, max_in_window};
 
 pub fn init_logs() {
     if std::env::var_os("TEST_LOG").is_some() {
@@ -132,8 +133,13 @@ impl TestEnv {
         let mut config = self.config.clone();
         tweak(&mut config);
         let metrics = Metrics::new(50, &[]);
-        let worker =
-            Arc::new(LiveWorker::new(&config, metrics.clone()).expect("valid worker config"));
+        let worker = Arc::new(
+            LiveWorker::new(
+                &config.worker_settings().expect("valid worker config"),
+                metrics.clone(),
+            )
+            .expect("valid worker config"),
+        );
         let (stop, mut stopped) = watch::channel(false);
         let task = tokio::spawn(Arc::clone(&worker).run(async move {
             let _ = stopped.wait_for(|&s| s).await;
@@ -276,7 +282,7 @@ impl Drop for TestEnv {
 
 pub fn now() -> UnixMillis {
     use tollgate_core::Clock;
-    tollgate::system_clock::SystemClock.now()
+    tollgate_runtime::system_clock::SystemClock.now()
 }
 
 /// Polls `check` until it returns true; panics with `what` after `timeout`.

@@ -51,10 +51,6 @@ impl UnixMillis {
         Self(self.0.saturating_add(duration_ms(d)))
     }
 
-    pub fn saturating_sub(self, d: Duration) -> Self {
-        Self(self.0.saturating_sub(duration_ms(d)))
-    }
-
     /// Time from `self` until `later`; zero if `later` is not after `self`.
     pub fn until(self, later: UnixMillis) -> Duration {
         Duration::from_millis(later.0.saturating_sub(self.0).max(0) as u64)

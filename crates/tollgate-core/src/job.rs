@@ -10,8 +10,9 @@ use crate::clock::UnixMillis;
 use crate::ids::{IdError, IdempotencyKey, JobId, Kind, TenantId};
 use crate::outcome::ParkReason;
 
-/// A validated job. Built only by [`decode`] (or [`Job::new`] for producers),
-/// so the rest of tollgate never sees an unchecked field.
+/// A validated job: decoded by [`decode`], or built by a producer (`tollgate
+/// publish`) from fields that are themselves validated newtypes, so the rest
+/// of tollgate never sees an unchecked field.
 #[derive(Clone, Debug)]
 pub struct Job {
     pub id: JobId,

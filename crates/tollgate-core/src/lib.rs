@@ -15,12 +15,14 @@ pub mod outcome;
 pub mod ports;
 pub mod quota;
 pub mod run;
+pub mod secret;
 pub mod tiers;
 
 pub use clock::{Clock, UnixMillis};
 pub use ids::{IdempotencyKey, JobId, Kind, TenantId};
 pub use job::{Job, Malformed, Progress};
 pub use outcome::{DeadReason, ParkReason, ProviderOutcome};
-pub use quota::{Quota, Rate};
+pub use quota::{Quota, Rate, default_burst};
 pub use run::{Action, Completion, Eligibility, JobRun, PermitDecision, Policy, Shadow};
+pub use secret::{Secret, SecretUrl, redact_url};
 pub use tiers::DelayTiers;

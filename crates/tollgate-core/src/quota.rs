@@ -82,12 +82,26 @@ impl fmt::Display for Rate {
 }
 
 impl Quota {
+    /// The burst when none is given: sends evenly spaced.
+    pub const DEFAULT_BURST: u32 = 1;
+
     pub fn new(rate: Rate, burst: u32) -> Result<Self, QuotaError> {
         if burst == 0 {
             return Err(QuotaError::ZeroBurst);
         }
         Ok(Self { rate, burst })
     }
+
+    /// A rate as written by people (`20/s`) and a burst: what the CLI, the
+    /// admin API and the quota baseline all accept.
+    pub fn parse(rate: &str, burst: u32) -> Result<Self, QuotaError> {
+        Self::new(rate.parse()?, burst)
+    }
+}
+
+/// [`Quota::DEFAULT_BURST`], for `#[serde(default = "…")]`.
+pub fn default_burst() -> u32 {
+    Quota::DEFAULT_BURST
 }
 
 impl fmt::Display for Quota {

@@ -133,14 +133,18 @@ pub enum Eligibility {
 /// What the runtime must do next.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Action {
-    /// Keep the delivery and call [`JobRun::next`] again at `until`.
-    /// `reason: None` is a granted reservation, which must be held (the
-    /// permit is already taken); any other hold may be turned into a park
-    /// with [`JobRun::park_instead`] when the pod will not hold more of this
-    /// tenant's jobs.
+    /// Keep the delivery and call [`JobRun::next`] again at `until`. May be
+    /// turned into a park with [`JobRun::park_instead`] when the pod will
+    /// not hold more of this tenant's jobs.
     Hold {
         until: UnixMillis,
-        reason: Option<ParkReason>,
+        reason: ParkReason,
+    },
+    /// A permit is reserved for `until`: keep the delivery until then (never
+    /// park it: the permit is already taken), then call [`JobRun::next`],
+    /// which calls the provider.
+    AwaitSlot {
+        until: UnixMillis,
     },
     /// Publish a copy carrying [`JobRun::progress`] to the delay tier `tier`
     /// (confirmed), then ack the delivery.
@@ -240,7 +244,8 @@ impl JobRun {
         self.progress.attempt + 1
     }
 
-    /// The first step, and the step after every [`Action::Hold`].
+    /// The first step, and the step after every [`Action::Hold`] and
+    /// [`Action::AwaitSlot`].
     pub fn next(&mut self, policy: &Policy, now: UnixMillis) -> Action {
         if self.progress.redeliveries >= policy.max_redeliveries {
             return Action::DeadLetter {
@@ -339,9 +344,8 @@ impl JobRun {
                     Action::CallProvider
                 } else {
                     self.progress.quota_wait += delay;
-                    Action::Hold {
+                    Action::AwaitSlot {
                         until: now.saturating_add(delay),
-                        reason: None,
                     }
                 }
             }
@@ -484,10 +488,7 @@ impl JobRun {
                 tier,
                 hop: self.is_hop(until, reason),
             },
-            _ => Action::Hold {
-                until,
-                reason: Some(reason),
-            },
+            _ => Action::Hold { until, reason },
         }
     }
 
@@ -613,7 +614,7 @@ mod tests {
             run.next(&p, at(2_900)),
             Action::Hold {
                 until: at(3_400),
-                reason: Some(ParkReason::NotDue)
+                reason: ParkReason::NotDue
             }
         );
         // A pod that will not hold more of this tenant parks it instead.
@@ -650,10 +651,7 @@ mod tests {
         );
         assert_eq!(
             a,
-            Action::Hold {
-                until: at(80),
-                reason: None
-            },
+            Action::AwaitSlot { until: at(80) },
             "a reservation must be held, never parked"
         );
         assert_eq!(
@@ -717,7 +715,7 @@ mod tests {
             back.next(&p, at(6_600)),
             Action::Hold {
                 until: at(7_500),
-                reason: Some(ParkReason::Quota)
+                reason: ParkReason::Quota
             }
         );
         assert_eq!(back.next(&p, at(7_500)), Action::CheckEligibility);
@@ -947,7 +945,7 @@ mod tests {
         assert!(matches!(
             run.on_eligibility(&p, Eligibility::Unavailable, T0, 0.5),
             Action::Hold {
-                reason: Some(ParkReason::Backoff),
+                reason: ParkReason::Backoff,
                 ..
             }
         ));
@@ -989,7 +987,7 @@ mod tests {
             a,
             Action::Hold {
                 until: at(999),
-                reason: Some(ParkReason::Backoff)
+                reason: ParkReason::Backoff
             }
         );
         assert_eq!(

@@ -59,12 +59,8 @@ impl Route {
 }
 
 /// A URL safe to log: any password is replaced.
-pub fn redact(url: &Url) -> String {
-    let mut shown = url.clone();
-    if shown.password().is_some() {
-        let _ = shown.set_password(Some("REDACTED"));
-    }
-    shown.to_string()
+fn redact(url: &Url) -> String {
+    tollgate_core::redact_url(url.as_str())
 }
 
 pub struct HttpProvider {

@@ -3,12 +3,11 @@
 //! `[A-Za-z0-9._:-]`, so a tenant can never close a tag or reach another
 //! tenant's keys.
 //!
-//! Redis Cluster: every key of a tenant lands in one slot. The permit script
-//! also reads the route's keys and the default quota, and quota changes
-//! append to one audit stream: on a single Redis (or a primary with
-//! replicas) that is one atomic call; on a Cluster those live in other slots,
-//! so the route decision becomes a separate reserve-then-refund call
-//! (docs/operations.md describes that path).
+//! Every key of a tenant lands in one slot, but the permit script also reads
+//! the route's keys and the default quota, and quota changes append to one
+//! audit stream: keys in other slots. So tollgate needs one Redis (a
+//! primary with replicas), not a Redis Cluster, which would refuse such a
+//! call (`CROSSSLOT`).
 
 use tollgate_core::{IdempotencyKey, JobId, Kind, TenantId};
 

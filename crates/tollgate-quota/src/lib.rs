@@ -2,8 +2,20 @@
 //! fleet (idempotency check, in-flight lease and GCRA quota in one Lua call),
 //! the completion record after a send, and the live quota store.
 //!
-//! Every key carries the tenant as a `{tenant}` hash tag and is passed in
-//! `KEYS`, so each script touches one Redis Cluster slot.
+//! Every key a script touches is passed in `KEYS` (none is built inside a
+//! script), and a tenant's keys share its `{tenant}` hash tag.
+
+/// A script of `src/lua/`, with the shared prelude (`now_us`) prepended.
+#[macro_export]
+#[doc(hidden)]
+macro_rules! lua {
+    ($file:literal) => {
+        concat!(
+            include_str!("lua/prelude.lua"),
+            include_str!(concat!("lua/", $file))
+        )
+    };
+}
 
 mod conn;
 mod keys;
@@ -29,6 +41,6 @@ pub enum QuotaError {
     Redis(#[from] redis::RedisError),
     #[error("unexpected reply from the permit script: {0}")]
     BadReply(String),
-    #[error("stored quota for {tenant} is invalid: {reason}")]
-    BadQuota { tenant: String, reason: String },
+    #[error("stored quota for {target} is invalid: {reason}")]
+    BadQuota { target: String, reason: String },
 }

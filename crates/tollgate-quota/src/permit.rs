@@ -23,8 +23,151 @@ use tollgate_core::{Kind, PermitDecision, Quota, Shadow, TenantId};
 
 use crate::{Keys, QuotaError, Redis};
 
-static PERMIT_LUA: &str = include_str!("lua/permit.lua");
-static COMPLETE_LUA: &str = include_str!("lua/complete.lua");
+static PERMIT_LUA: &str = crate::lua!("permit.lua");
+static COMPLETE_LUA: &str = crate::lua!("complete.lua");
+
+/// The permit script's keys, by name: the one place the Rust side writes
+/// its positional contract (`permit.lua` binds the same names in the same
+/// order; a test checks it).
+struct PermitKeys {
+    tenant_quota_key: String,
+    tenant_tat_key: String,
+    tenant_waiting_key: String,
+    tenant_penalty_key: String,
+    tenant_in_flight_key: String,
+    shadow_tat_key: String,
+    sent_key: String,
+    lease_key: String,
+    cancelled_id_key: String,
+    cancelled_idempotency_key: String,
+    default_quota_key: String,
+    route_quota_key: String,
+    route_tat_key: String,
+    route_waiting_key: String,
+    route_penalty_key: String,
+}
+
+impl PermitKeys {
+    #[cfg(test)]
+    const NAMES: [&'static str; 15] = [
+        "tenant_quota_key",
+        "tenant_tat_key",
+        "tenant_waiting_key",
+        "tenant_penalty_key",
+        "tenant_in_flight_key",
+        "shadow_tat_key",
+        "sent_key",
+        "lease_key",
+        "cancelled_id_key",
+        "cancelled_idempotency_key",
+        "default_quota_key",
+        "route_quota_key",
+        "route_tat_key",
+        "route_waiting_key",
+        "route_penalty_key",
+    ];
+
+    fn new(k: &Keys, req: &PermitRequest<'_>) -> Self {
+        Self {
+            tenant_quota_key: k.quota(req.tenant),
+            tenant_tat_key: k.tat(req.tenant),
+            tenant_waiting_key: k.waiting(req.tenant),
+            tenant_penalty_key: k.penalty(req.tenant),
+            tenant_in_flight_key: k.in_flight(req.tenant),
+            shadow_tat_key: k.shadow_tat(req.tenant),
+            sent_key: k.sent(req.tenant, req.key),
+            lease_key: k.lease(req.tenant, req.key),
+            cancelled_id_key: k.cancelled_id(req.tenant, req.job_id),
+            cancelled_idempotency_key: k.cancelled_key(req.tenant, req.key),
+            default_quota_key: k.default_quota(),
+            route_quota_key: k.route_quota(req.route),
+            route_tat_key: k.route_tat(req.route),
+            route_waiting_key: k.route_waiting(req.route),
+            route_penalty_key: k.route_penalty(req.route),
+        }
+    }
+
+    /// In [`PermitKeys::NAMES`] order.
+    fn in_order(self) -> [String; 15] {
+        [
+            self.tenant_quota_key,
+            self.tenant_tat_key,
+            self.tenant_waiting_key,
+            self.tenant_penalty_key,
+            self.tenant_in_flight_key,
+            self.shadow_tat_key,
+            self.sent_key,
+            self.lease_key,
+            self.cancelled_id_key,
+            self.cancelled_idempotency_key,
+            self.default_quota_key,
+            self.route_quota_key,
+            self.route_tat_key,
+            self.route_waiting_key,
+            self.route_penalty_key,
+        ]
+    }
+}
+
+/// The permit script's arguments, by name (see [`PermitKeys`]). Optional
+/// ones are sent as "" when absent.
+struct PermitArgs<'a> {
+    default_count: u32,
+    default_period_ms: u64,
+    default_burst: u32,
+    lease_token: &'a str,
+    horizon_us: u64,
+    lease_ttl_ms: u64,
+    pacing_factor: f64,
+    pause_recheck_us: u64,
+    denial_slots: u32,
+    concurrency_retry_us: u64,
+    now_override_us: Option<u64>,
+    returning_remaining_us: Option<u64>,
+    returning_interval_us: Option<u64>,
+    seen_cancel_ttl_ms: u64,
+}
+
+impl PermitArgs<'_> {
+    #[cfg(test)]
+    const NAMES: [&'static str; 14] = [
+        "default_count",
+        "default_period_ms",
+        "default_burst",
+        "lease_token",
+        "horizon_us",
+        "lease_ttl_ms",
+        "pacing_factor",
+        "pause_recheck_us",
+        "denial_slots",
+        "concurrency_retry_us",
+        "now_override_us",
+        "returning_remaining_us",
+        "returning_interval_us",
+        "seen_cancel_ttl_ms",
+    ];
+
+    /// In [`PermitArgs::NAMES`] order.
+    fn in_order(&self) -> [String; 14] {
+        let optional = |v: Option<u64>| v.map(|v| v.to_string()).unwrap_or_default();
+        [
+            self.default_count.to_string(),
+            self.default_period_ms.to_string(),
+            self.default_burst.to_string(),
+            self.lease_token.to_owned(),
+            self.horizon_us.to_string(),
+            self.lease_ttl_ms.to_string(),
+            self.pacing_factor.to_string(),
+            self.pause_recheck_us.to_string(),
+            self.denial_slots.to_string(),
+            self.concurrency_retry_us.to_string(),
+            optional(self.now_override_us),
+            optional(self.returning_remaining_us),
+            optional(self.returning_interval_us),
+            self.seen_cancel_ttl_ms.to_string(),
+        ]
+    }
+}
 
 #[derive(Clone, Debug)]
 pub struct PermitSettings {
@@ -195,10 +338,6 @@ impl RedisPermits {
         }
     }
 
-    pub fn redis(&self) -> &Arc<Redis> {
-        &self.redis
-    }
-
     /// One call of the permit script. `now_micros` replaces Redis `TIME`;
     /// only tests and tools pass it.
     /// `slots`: virtual slots to take if the job is denied.
@@ -208,48 +347,32 @@ impl RedisPermits {
         slots: u32,
         now_micros: Option<u64>,
     ) -> Result<Reply, QuotaError> {
-        let (k, s, d) = (&self.keys, &self.settings, &self.settings.default_quota);
+        let (s, d) = (&self.settings, &self.settings.default_quota);
+        let args = PermitArgs {
+            default_count: d.rate.count,
+            default_period_ms: d.rate.period.as_millis() as u64,
+            default_burst: d.burst,
+            lease_token: req.lease_token,
+            horizon_us: micros(s.horizon),
+            lease_ttl_ms: s.lease_ttl.as_millis() as u64,
+            pacing_factor: 1.0 + s.pacing_margin,
+            pause_recheck_us: micros(s.pause_recheck),
+            denial_slots: slots.max(1),
+            concurrency_retry_us: micros(s.concurrency_retry),
+            now_override_us: now_micros,
+            returning_remaining_us: req.returning.map(|r| micros(r.remaining)),
+            returning_interval_us: req.returning.and_then(|r| r.interval).map(micros),
+            seen_cancel_ttl_ms: s.sent_ttl.as_millis() as u64,
+        };
+        let mut invocation = self.permit.prepare_invoke();
+        for key in PermitKeys::new(&self.keys, &req).in_order() {
+            invocation.key(key);
+        }
+        for arg in args.in_order() {
+            invocation.arg(arg);
+        }
         let mut conn = self.redis.conn().await?;
-        let reply: Vec<i64> = self
-            .permit
-            .key(k.quota(req.tenant))
-            .key(k.tat(req.tenant))
-            .key(k.waiting(req.tenant))
-            .key(k.penalty(req.tenant))
-            .key(k.in_flight(req.tenant))
-            .key(k.shadow_tat(req.tenant))
-            .key(k.sent(req.tenant, req.key))
-            .key(k.lease(req.tenant, req.key))
-            .key(k.cancelled_id(req.tenant, req.job_id))
-            .key(k.cancelled_key(req.tenant, req.key))
-            .key(k.default_quota())
-            .key(k.route_quota(req.route))
-            .key(k.route_tat(req.route))
-            .key(k.route_waiting(req.route))
-            .key(k.route_penalty(req.route))
-            .arg(d.rate.count)
-            .arg(d.rate.period.as_millis() as u64)
-            .arg(d.burst)
-            .arg(req.lease_token)
-            .arg(micros(s.horizon))
-            .arg(s.lease_ttl.as_millis() as u64)
-            .arg(1.0 + s.pacing_margin)
-            .arg(micros(s.pause_recheck))
-            .arg(slots.max(1))
-            .arg(micros(s.concurrency_retry))
-            .arg(now_micros.map(|n| n.to_string()).unwrap_or_default())
-            .arg(
-                req.returning
-                    .map(|r| micros(r.remaining).to_string())
-                    .unwrap_or_default(),
-            )
-            .arg(
-                req.returning
-                    .and_then(|r| r.interval)
-                    .map(|i| micros(i).to_string())
-                    .unwrap_or_default(),
-            )
-            .arg(s.sent_ttl.as_millis() as u64)
+        let reply: Vec<i64> = invocation
             .invoke_async(&mut conn)
             .await
             .map_err(|e| self.redis.classify(e))?;
@@ -396,5 +519,69 @@ impl PermitStore for RedisPermits {
         penalty: Option<Penalty>,
     ) -> Result<(), QuotaError> {
         self.record(req, sent, penalty, None).await
+    }
+}
+
+#[cfg(test)]
+mod contract {
+    use super::*;
+
+    /// The names `permit.lua` binds, in order, from lines such as
+    /// `local sent_key = KEYS[7]`.
+    fn bound(script: &str, table: &str) -> Vec<String> {
+        let mut bound = Vec::new();
+        for line in script.lines() {
+            let Some((name, value)) = line
+                .strip_prefix("local ")
+                .and_then(|rest| rest.split_once(" = "))
+            else {
+                continue;
+            };
+            if value.trim() == format!("{table}[{}]", bound.len() + 1) {
+                bound.push(name.to_owned());
+            }
+        }
+        bound
+    }
+
+    #[test]
+    fn the_rust_side_names_the_scripts_keys_and_arguments_in_its_order() {
+        assert_eq!(bound(PERMIT_LUA, "KEYS"), PermitKeys::NAMES);
+        assert_eq!(bound(PERMIT_LUA, "ARGV"), PermitArgs::NAMES);
+        for (table, names) in [
+            ("KEYS", &PermitKeys::NAMES[..]),
+            ("ARGV", &PermitArgs::NAMES[..]),
+        ] {
+            for (i, name) in names.iter().enumerate() {
+                let documented = format!("-- {table}[{}]", i + 1);
+                assert!(
+                    PERMIT_LUA
+                        .lines()
+                        .any(|l| l.starts_with(&documented) && l.contains(name)),
+                    "the header documents {table}[{}] as {name}",
+                    i + 1
+                );
+            }
+        }
+        // Nothing else reads the tables by position.
+        let positional: Vec<&str> = PERMIT_LUA
+            .lines()
+            .filter(|l| !l.starts_with("--") && !l.starts_with("local "))
+            .filter(|l| l.contains("KEYS[") || l.contains("ARGV["))
+            .collect();
+        assert!(positional.is_empty(), "{positional:?}");
+        // The key builder fills every key.
+        let keys = PermitKeys::new(
+            &Keys::new("p"),
+            &PermitRequest {
+                tenant: &TenantId::parse("acme").unwrap(),
+                route: &Kind::default_kind(),
+                job_id: &tollgate_core::JobId::parse("j").unwrap(),
+                key: &tollgate_core::IdempotencyKey::parse("k").unwrap(),
+                lease_token: "t",
+                returning: None,
+            },
+        );
+        assert!(keys.in_order().iter().all(|k| k.starts_with("p:")));
     }
 }

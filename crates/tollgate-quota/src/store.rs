@@ -13,7 +13,7 @@ use tollgate_core::{IdempotencyKey, JobId, Kind, Quota, Rate, TenantId};
 
 use crate::{Keys, QuotaError, Redis};
 
-static CHANGE_LUA: &str = include_str!("lua/change.lua");
+static CHANGE_LUA: &str = crate::lua!("change.lua");
 
 /// Audit entries kept (approximately; older ones are trimmed).
 const AUDIT_MAX_LEN: u32 = 100_000;
@@ -45,12 +45,13 @@ impl Target {
         }
     }
 
-    /// The index set this target is listed in, and its member name.
-    fn index(&self, keys: &Keys) -> (String, String) {
+    /// The set this target is listed in (for `quota list`), and its name
+    /// there. The default quota is listed nowhere.
+    fn index(&self, keys: &Keys) -> Option<(String, String)> {
         match self {
-            Self::Tenant(t) => (keys.tenants(), t.to_string()),
-            Self::Route(r) => (keys.routes(), r.to_string()),
-            Self::Default => (keys.tenants(), String::new()),
+            Self::Tenant(t) => Some((keys.tenants(), t.to_string())),
+            Self::Route(r) => Some((keys.routes(), r.to_string())),
+            Self::Default => None,
         }
     }
 }
@@ -289,17 +290,20 @@ impl QuotaStore {
         actor: &Actor,
         seed: Option<(&str, bool)>,
     ) -> Result<(Settings, Settings, bool), QuotaError> {
-        let (index, member) = target.index(&self.keys);
+        let index = target.index(&self.keys);
         let mut invocation = self.change.key(target.hash(&self.keys));
         invocation
             .key(self.keys.audit())
-            .key(index)
-            .key(self.keys.baseline_applied())
+            .key(self.keys.baseline_applied());
+        if let Some((set, _)) = &index {
+            invocation.key(set);
+        }
+        invocation
             .arg(target.label())
             .arg(change.action())
             .arg(&actor.who)
             .arg(actor.source)
-            .arg(member)
+            .arg(index.map(|(_, member)| member).unwrap_or_default())
             .arg(AUDIT_MAX_LEN)
             .arg(seed.map(|(fingerprint, _)| fingerprint).unwrap_or(""))
             .arg(if seed.is_some_and(|(_, overwrite)| overwrite) {
@@ -334,7 +338,7 @@ impl QuotaStore {
         Settings::from_fields(&fields)
             .map(Some)
             .map_err(|reason| QuotaError::BadQuota {
-                tenant: target.label(),
+                target: target.label(),
                 reason,
             })
     }
@@ -509,7 +513,7 @@ fn parse_json(target: &Target, json: &str) -> Result<Settings, QuotaError> {
     let map =
         serde_json_map(json).ok_or_else(|| QuotaError::BadReply(format!("audit json {json:?}")))?;
     Settings::from_fields(&map).map_err(|reason| QuotaError::BadQuota {
-        tenant: target.label(),
+        target: target.label(),
         reason,
     })
 }

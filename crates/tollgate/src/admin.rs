@@ -20,8 +20,7 @@ use serde_json::json;
 use tollgate_core::{IdempotencyKey, JobId, Kind, Quota, TenantId, UnixMillis};
 use tollgate_quota::{Actor, Cancel, Change, QuotaStore, Settings, Target};
 
-use crate::cli::parse_quota;
-use crate::config::Secret;
+use tollgate_core::Secret;
 
 /// Request bodies are tiny; anything larger is refused before parsing.
 const BODY_LIMIT: usize = 16 * 1024;
@@ -211,14 +210,10 @@ fn route(name: &str) -> Result<Target, ApiError> {
 #[serde(deny_unknown_fields)]
 struct QuotaBody {
     rate: String,
-    #[serde(default = "one")]
+    #[serde(default = "tollgate_core::default_burst")]
     burst: u32,
     #[serde(default)]
     concurrency: Option<u32>,
-}
-
-fn one() -> u32 {
-    1
 }
 
 async fn apply(
@@ -293,7 +288,7 @@ async fn put_default(
     headers: HeaderMap,
     Json(body): Json<QuotaBody>,
 ) -> ApiResult {
-    let quota = parse_quota(&body.rate, body.burst).map_err(bad_request)?;
+    let quota = Quota::parse(&body.rate, body.burst).map_err(bad_request)?;
     let change = Change::SetQuota {
         quota,
         concurrency: None,
@@ -311,7 +306,7 @@ async fn put_tenant(
     headers: HeaderMap,
     Json(body): Json<QuotaBody>,
 ) -> ApiResult {
-    let quota = parse_quota(&body.rate, body.burst).map_err(bad_request)?;
+    let quota = Quota::parse(&body.rate, body.burst).map_err(bad_request)?;
     let change = Change::SetQuota {
         quota,
         concurrency: body.concurrency,
@@ -354,7 +349,7 @@ async fn put_shadow(
     headers: HeaderMap,
     Json(body): Json<QuotaBody>,
 ) -> ApiResult {
-    let quota = parse_quota(&body.rate, body.burst).map_err(bad_request)?;
+    let quota = Quota::parse(&body.rate, body.burst).map_err(bad_request)?;
     apply(&state, &tenant(&name)?, Change::SetShadow(quota), &headers).await
 }
 
@@ -395,7 +390,7 @@ async fn put_route(
     if body.concurrency.is_some() {
         return Err(bad_request("concurrency applies to tenants"));
     }
-    let quota = parse_quota(&body.rate, body.burst).map_err(bad_request)?;
+    let quota = Quota::parse(&body.rate, body.burst).map_err(bad_request)?;
     let change = Change::SetQuota {
         quota,
         concurrency: None,

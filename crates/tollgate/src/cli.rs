@@ -12,13 +12,12 @@ use futures::stream::FuturesUnordered;
 use serde_json::value::RawValue;
 use tollgate_amqp::{Broker, headers};
 use tollgate_core::{
-    Clock, DeadReason, IdempotencyKey, Job, JobId, Kind, Quota, Rate, TenantId, UnixMillis,
+    Clock, DeadReason, IdempotencyKey, Job, JobId, Kind, Quota, TenantId, UnixMillis,
 };
 use tollgate_quota::{Actor, Cancel, Change, Keys, QuotaStore, Redis, Settings, Target};
 
 use crate::config::Config;
-use crate::demo::DemoArgs;
-use crate::system_clock::SystemClock;
+use tollgate_runtime::system_clock::SystemClock;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -72,12 +71,6 @@ pub enum Command {
     /// Inspect the dead-letter queue.
     #[command(subcommand)]
     Dlq(DlqCommand),
-    /// Measure throughput and the permit path; writes target/bench/report.{json,md}.
-    #[command(after_help = "Example: tollgate bench --jobs 10000 --runs 3")]
-    Bench(crate::bench::BenchArgs),
-    /// A self-contained live demonstration on the local RabbitMQ and Redis.
-    #[command(after_help = "Example: tollgate demo --duration 30s --workers 3")]
-    Demo(DemoArgs),
 }
 
 #[derive(Debug, Args)]
@@ -522,9 +515,8 @@ pub const BASELINE_DELETE_NOTE: &str = "{target} is in the quota baseline: this 
     or `tollgate quota seed --overwrite` resets to it";
 
 /// Parses `--rate` and `--burst` into a quota.
-pub fn parse_quota(rate: &str, burst: u32) -> anyhow::Result<Quota> {
-    let rate: Rate = rate.parse().context("--rate")?;
-    Quota::new(rate, burst).context("--burst")
+fn parse_quota(rate: &str, burst: u32) -> anyhow::Result<Quota> {
+    Quota::parse(rate, burst).context("--rate/--burst")
 }
 
 fn print_change(target: &Target, old: &Settings, new: &Settings) {
@@ -638,7 +630,7 @@ pub async fn quota(config: &Config, command: &QuotaCommand, actor: &Actor) -> an
         },
         QuotaCommand::Seed { file, overwrite } => {
             let baseline = match file.as_deref().or(config.quotas_file.as_deref()) {
-                Some(path) => crate::baseline::Baseline::load(path)?,
+                Some(path) => tollgate_runtime::baseline::Baseline::load(path)?,
                 None => bail!("no baseline: pass --file or set TOLLGATE_QUOTAS_FILE"),
             };
             let written = baseline.seed(&store, *overwrite).await?;
@@ -648,7 +640,7 @@ pub async fn quota(config: &Config, command: &QuotaCommand, actor: &Actor) -> an
             }
         }
         QuotaCommand::Export => {
-            let baseline = crate::baseline::Baseline::export(&store).await?;
+            let baseline = tollgate_runtime::baseline::Baseline::export(&store).await?;
             print!("{}", toml::to_string(&baseline)?);
         }
         QuotaCommand::History { target, limit } => {
@@ -716,7 +708,8 @@ pub async fn topology(config: &Config, command: &TopologyCommand) -> anyhow::Res
     match command {
         TopologyCommand::Declare => {
             let broker = connect_broker(config, "topology").await?;
-            let draining = declare(&broker, &quota_store(config)?).await?;
+            let draining =
+                tollgate_runtime::topology::declare(&broker, &quota_store(config)?).await?;
             let t = broker.topology();
             println!(
                 "declared {} → {} work queue(s), {} delay tier(s), {}",
@@ -727,45 +720,15 @@ pub async fn topology(config: &Config, command: &TopologyCommand) -> anyhow::Res
             );
             for queue in draining {
                 let depth = broker.queue_depth(&queue).await?;
-                println!("{}", draining_note(&queue, depth));
+                println!(
+                    "{}",
+                    tollgate_runtime::topology::draining_note(&queue, depth)
+                );
             }
             broker.close().await;
         }
     }
     Ok(())
-}
-
-/// Declares the topology, and drains the work queues a larger `shards` left
-/// behind (how many may exist is recorded in Redis); returns their names.
-/// With Redis unreachable, only the declaration is done.
-pub async fn declare(broker: &Broker, store: &QuotaStore) -> anyhow::Result<Vec<String>> {
-    broker.declare_topology().await?;
-    let shards = broker.topology().shards();
-    let known = match store.work_queues().await {
-        Ok(known) => known,
-        Err(e) => {
-            tracing::warn!(error = %e, "not looking for work queues left by a larger shards");
-            Some(shards)
-        }
-    };
-    let stale = broker.drain_stale_work_queues(known).await?;
-    let exist = shards + stale.len() as u16;
-    if known != Some(exist)
-        && let Err(e) = store.set_work_queues(exist).await
-    {
-        tracing::warn!(error = %e, "recording how many work queues exist");
-    }
-    Ok(stale)
-}
-
-/// What an operator needs to know about a work queue left by a larger
-/// `shards`.
-pub fn draining_note(queue: &str, depth: u32) -> String {
-    format!(
-        "{queue} is beyond TOLLGATE_SHARDS: unbound from the jobs exchange (no new jobs land \
-         there) and drained by every worker; {depth} job(s) left. Once it stays empty, delete \
-         it: rabbitmqctl delete_queue {queue}"
-    )
 }
 
 /// One dead letter as `dlq list` shows it.

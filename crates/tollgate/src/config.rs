@@ -3,7 +3,6 @@
 //! Units are in the names; secrets live in types whose `Debug` hides them.
 
 use std::collections::BTreeMap;
-use std::fmt;
 use std::net::SocketAddr;
 use std::path::Path;
 use std::time::Duration;
@@ -17,78 +16,12 @@ use tollgate_core::backoff::Backoff;
 use tollgate_core::job::Limits;
 use tollgate_core::ports::ThrottleScope;
 use tollgate_core::{DelayTiers, Policy, Quota, Rate};
+use tollgate_core::{Secret, SecretUrl};
 use tollgate_provider::Route;
 use tollgate_quota::{PermitSettings, RedisSettings};
+use tollgate_runtime::baseline::Baseline;
+use tollgate_runtime::{BaselineSettings, WorkerSettings};
 use url::Url;
-
-/// A URL that may carry a password: `Debug` and `Display` redact it.
-#[derive(Clone, Deserialize, Serialize, PartialEq, Eq)]
-#[serde(transparent)]
-pub struct SecretUrl(String);
-
-impl SecretUrl {
-    pub fn new(url: impl Into<String>) -> Self {
-        Self(url.into())
-    }
-
-    /// The real URL, for the one call that connects with it.
-    pub fn expose(&self) -> &str {
-        &self.0
-    }
-
-    pub fn redacted(&self) -> String {
-        redact_url(&self.0)
-    }
-}
-
-/// Replaces the password in a URL-like string, even one `url` cannot parse.
-pub fn redact_url(raw: &str) -> String {
-    if let Ok(mut url) = Url::parse(raw) {
-        if url.password().is_some() {
-            let _ = url.set_password(Some("REDACTED"));
-        }
-        return url.to_string();
-    }
-    match (raw.find("://"), raw.rfind('@')) {
-        (Some(scheme), Some(at)) if at > scheme => {
-            format!("{}REDACTED@{}", &raw[..scheme + 3], &raw[at + 1..])
-        }
-        _ => raw.to_owned(),
-    }
-}
-
-impl fmt::Debug for SecretUrl {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{:?}", self.redacted())
-    }
-}
-
-impl fmt::Display for SecretUrl {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.redacted())
-    }
-}
-
-/// A secret string; `Debug` prints nothing of it.
-#[derive(Clone, Deserialize, Serialize, PartialEq, Eq)]
-#[serde(transparent)]
-pub struct Secret(String);
-
-impl Secret {
-    pub fn new(secret: impl Into<String>) -> Self {
-        Self(secret.into())
-    }
-
-    pub fn expose(&self) -> &str {
-        &self.0
-    }
-}
-
-impl fmt::Debug for Secret {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("Secret(REDACTED)")
-    }
-}
 
 /// One provider route (`[routes.<kind>]`).
 #[derive(Clone, Debug, Deserialize, Serialize)]
@@ -481,11 +414,39 @@ impl Config {
     }
 
     /// The quota baseline, if `quotas_file` is set.
-    pub fn baseline(&self) -> anyhow::Result<Option<crate::baseline::Baseline>> {
-        self.quotas_file
-            .as_deref()
-            .map(crate::baseline::Baseline::load)
-            .transpose()
+    pub fn baseline(&self) -> anyhow::Result<Option<Baseline>> {
+        self.quotas_file.as_deref().map(Baseline::load).transpose()
+    }
+
+    /// Everything a worker is built from, checked.
+    pub fn worker_settings(&self) -> anyhow::Result<WorkerSettings> {
+        Ok(WorkerSettings {
+            amqp_url: self.amqp_url.clone(),
+            tls_ca_pem: self.tls_ca_pem()?,
+            topology: self.topology()?,
+            name: self.name(),
+            redis: self.redis_settings(),
+            redis_url_shown: self.redis_url.redacted(),
+            prefix: self.prefix.clone(),
+            permits: self.permit_settings()?,
+            routes: self.routes()?,
+            provider_timeout: Duration::from_millis(self.provider_timeout_ms),
+            policy: self.policy()?,
+            limits: self.limits(),
+            concurrency: self.concurrency,
+            shutdown_grace: Duration::from_millis(self.shutdown_grace_ms),
+            delivery_timeout: Duration::from_millis(self.delivery_timeout_ms),
+            tenant_hold_max: self.tenant_hold_max,
+            pod_max_rate: self.pod_max_rate()?,
+            baseline: match (&self.quotas_file, self.baseline()?) {
+                (Some(path), Some(baseline)) => Some(BaselineSettings {
+                    path: path.clone(),
+                    baseline,
+                    every: Duration::from_millis(self.quota_seed_interval_ms),
+                }),
+                _ => None,
+            },
+        })
     }
 
     /// The contents of `tls_ca_file`, if set.
@@ -676,7 +637,7 @@ mod tests {
         let config = Config {
             amqp_url: SecretUrl::new("amqp://guest:canary-amqp@rabbit:5672/%2f"),
             redis_url: SecretUrl::new("redis://:canary-redis@redis:6379"),
-            admin_token: Some(Secret("canary-token".into())),
+            admin_token: Some(Secret::new("canary-token")),
             ..Config::default()
         };
         let shown = format!("{config:?}");
@@ -684,7 +645,6 @@ mod tests {
             assert!(!shown.contains(canary), "{canary} leaked: {shown}");
         }
         assert!(shown.contains("REDACTED"));
-        assert_eq!(redact_url("amqp://u:p@[bad"), "amqp://REDACTED@[bad");
     }
 
     #[test]

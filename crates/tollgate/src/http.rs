@@ -28,8 +28,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::{Instant, Sleep};
 use tollgate_core::ports::{PermitStore, Provider};
 
-use crate::metrics::Metrics;
-use crate::worker::{Readiness, Worker};
+use tollgate_runtime::{Metrics, Readiness, Worker};
 
 /// Anything that can answer the readiness probe.
 pub trait ReadyCheck: Send + Sync + 'static {

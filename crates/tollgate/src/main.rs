@@ -7,8 +7,9 @@ use std::sync::Arc;
 use clap::Parser;
 use tollgate::cli::{self, Cli, Command};
 use tollgate::config::Config;
-use tollgate::{LiveWorker, Metrics, http, logging};
+use tollgate::{http, logging};
 use tollgate_quota::Actor;
+use tollgate_runtime::{LiveWorker, Metrics};
 
 const EXIT_CONFIG: u8 = 64;
 
@@ -52,8 +53,6 @@ async fn run(command: Command, actor: &Actor, config: Config) -> anyhow::Result<
         Command::Cancel(args) => cli::cancel(&config, &args, actor).await,
         Command::Topology(cmd) => cli::topology(&config, &cmd).await,
         Command::Dlq(cmd) => cli::dlq(&config, &cmd).await,
-        Command::Demo(args) => tollgate::demo::run(&config, &args).await,
-        Command::Bench(args) => tollgate::bench::run(&config, &args).await,
     }
 }
 
@@ -64,7 +63,10 @@ async fn worker(config: Config) -> anyhow::Result<()> {
         );
     }
     let metrics = Metrics::new(config.tenant_label_limit, &config.tenant_label_allowlist);
-    let worker = Arc::new(LiveWorker::new(&config, metrics.clone())?);
+    let worker = Arc::new(LiveWorker::new(
+        &config.worker_settings()?,
+        metrics.clone(),
+    )?);
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let admin = tollgate::admin::AdminState {
         store: Arc::new(tollgate::cli::quota_store(&config)?),

@@ -6,11 +6,13 @@
 -- applied before (so a deliberate `quota delete` stands until the baseline's
 -- entry itself changes), or always with overwrite.
 --
--- KEYS[1] settings hash, KEYS[2] audit stream, KEYS[3] index set,
--- KEYS[4] hash: target -> fingerprint of the baseline entry last applied
+-- KEYS[1] settings hash, KEYS[2] audit stream,
+-- KEYS[3] hash: target -> fingerprint of the baseline entry last applied,
+-- KEYS[4] the set listing the target's kind (tenants, routes); absent for
+--         the default quota, which is listed nowhere
 -- ARGV[1] target ("tenant:acme", "route:email", "default")
 -- ARGV[2] action, ARGV[3] who, ARGV[4] source ("cli", "api" or "baseline")
--- ARGV[5] index member ('' = not indexed), ARGV[6] audit stream max length
+-- ARGV[5] the target's name in that set, ARGV[6] audit stream max length
 -- ARGV[7] baseline fingerprint ('' = not a seed), ARGV[8] '1' = overwrite
 -- ARGV[9..] field, value pairs; an empty value deletes the field
 -- Reply: {old json, new json, 1 if written else 0}
@@ -29,15 +31,15 @@ local old = settings()
 local fingerprint = ARGV[7]
 if fingerprint ~= '' then
   local has_quota = redis.call('HEXISTS', KEYS[1], 'count') == 1
-  local applied = redis.call('HGET', KEYS[4], ARGV[1])
+  local applied = redis.call('HGET', KEYS[3], ARGV[1])
   if ARGV[8] ~= '1' and (has_quota or applied == fingerprint) then
     -- A live quota wins; a deleted one stays deleted. Either way this
     -- entry counts as applied, so a later delete sticks.
-    if has_quota and applied ~= fingerprint then redis.call('HSET', KEYS[4], ARGV[1], fingerprint) end
+    if has_quota and applied ~= fingerprint then redis.call('HSET', KEYS[3], ARGV[1], fingerprint) end
     local same = cjson.encode(old)
     return {same, same, 0}
   end
-  redis.call('HSET', KEYS[4], ARGV[1], fingerprint)
+  redis.call('HSET', KEYS[3], ARGV[1], fingerprint)
 end
 for i = 9, #ARGV, 2 do
   if ARGV[i + 1] == '' then
@@ -48,14 +50,13 @@ for i = 9, #ARGV, 2 do
 end
 local new, n = settings()
 
-local t = redis.call('TIME')
-local at = tostring(tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))
+local at = string.format('%d', math.floor(now_us(nil) / 1000))
 if n == 0 then
   redis.call('DEL', KEYS[1])
-  if ARGV[5] ~= '' then redis.call('SREM', KEYS[3], ARGV[5]) end
+  if KEYS[4] then redis.call('SREM', KEYS[4], ARGV[5]) end
 else
   redis.call('HSET', KEYS[1], 'updated_by', ARGV[3], 'updated_at_ms', at)
-  if ARGV[5] ~= '' then redis.call('SADD', KEYS[3], ARGV[5]) end
+  if KEYS[4] then redis.call('SADD', KEYS[4], ARGV[5]) end
 end
 
 local old_json, new_json = cjson.encode(old), cjson.encode(new)

@@ -21,14 +21,7 @@ redis.call('ZREM', KEYS[3], ARGV[1])
 
 local penalty = tonumber(ARGV[5])
 if penalty > 0 then
-  local now
-  if ARGV[6] ~= '' then
-    now = tonumber(ARGV[6])
-  else
-    local t = redis.call('TIME')
-    now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-  end
-  local until_us = now + penalty
+  local until_us = now_us(ARGV[6]) + penalty
   local ttl = math.ceil(penalty / 1000) + 1000
   local key = KEYS[4]
   if ARGV[7] == 'route' then key = KEYS[5] end

@@ -4,34 +4,39 @@
 -- All-or-nothing: a job denied by any part consumes nothing. A permit may be
 -- reserved up to `horizon` ahead; the worker holds the job until then.
 --
--- KEYS[1]  tenant quota hash   count period_ms burst concurrency paused shadow_count shadow_period_ms shadow_burst
--- KEYS[2]  tenant tat          GCRA theoretical arrival time, microseconds of Redis time
--- KEYS[3]  tenant waiting      hash: at = next free virtual slot, iv = its interval
--- KEYS[4]  tenant penalty      provider 429: no send before this (microseconds)
--- KEYS[5]  tenant in flight    zset: lease token -> expiry (microseconds)
--- KEYS[6]  shadow tat
--- KEYS[7]  sent record
--- KEYS[8]  lease of the idempotency key
--- KEYS[9]  cancelled by job id
--- KEYS[10] cancelled by idempotency key
--- KEYS[11] default quota hash  count period_ms burst
--- KEYS[12] route quota hash    count period_ms burst
--- KEYS[13] route tat
--- KEYS[14] route waiting
--- KEYS[15] route penalty       provider 429 on a route whose 429s are account-wide
+-- The keys and arguments, by name, bound below in this order. The Rust side
+-- names them the same way (`PermitKeys`, `PermitArgs`); a test checks both.
 --
--- ARGV[1..3] default quota from config (count, period_ms, burst)
--- ARGV[4]  lease token of this attempt
--- ARGV[5]  reservation horizon, microseconds
--- ARGV[6]  lease ttl, milliseconds
--- ARGV[7]  pacing factor (1.02 = sends spaced 2 % wider than the quota)
--- ARGV[8]  recheck interval for a paused tenant, microseconds
--- ARGV[9]  virtual slots handed out per denial (the pod uses the rest locally)
--- ARGV[10] retry interval when the tenant is at its concurrency limit, microseconds
--- ARGV[11] "now" override in microseconds, for tests only ("" = Redis TIME)
--- ARGV[12] a job back from a quota wait: microseconds still left to its place ("" = fresh job)
--- ARGV[13] the spacing its place was computed with, microseconds ("" = unknown)
--- ARGV[14] how long a seen cancellation is kept for other copies, milliseconds
+-- KEYS[1]  tenant_quota_key           hash: count period_ms burst concurrency paused shadow_count shadow_period_ms shadow_burst
+-- KEYS[2]  tenant_tat_key             GCRA theoretical arrival time, microseconds of Redis time
+-- KEYS[3]  tenant_waiting_key         hash: at = next free virtual slot, iv = its interval
+-- KEYS[4]  tenant_penalty_key         provider 429: no send before this (microseconds)
+-- KEYS[5]  tenant_in_flight_key       zset: lease token -> expiry (microseconds)
+-- KEYS[6]  shadow_tat_key             the shadow quota's TAT
+-- KEYS[7]  sent_key                   the idempotency key's sent record
+-- KEYS[8]  lease_key                  the idempotency key's in-flight lease
+-- KEYS[9]  cancelled_id_key           cancellation by job id
+-- KEYS[10] cancelled_idempotency_key  cancellation by idempotency key
+-- KEYS[11] default_quota_key          hash: count period_ms burst (the stored default)
+-- KEYS[12] route_quota_key            hash: count period_ms burst
+-- KEYS[13] route_tat_key              the route's TAT
+-- KEYS[14] route_waiting_key          the route's line of waiting jobs
+-- KEYS[15] route_penalty_key          provider 429 on a route whose 429s are account-wide
+--
+-- ARGV[1]  default_count              default quota from config: count
+-- ARGV[2]  default_period_ms          default quota from config: period, milliseconds
+-- ARGV[3]  default_burst              default quota from config: burst
+-- ARGV[4]  lease_token                lease token of this attempt
+-- ARGV[5]  horizon_us                 reservation horizon, microseconds
+-- ARGV[6]  lease_ttl_ms               lease ttl, milliseconds
+-- ARGV[7]  pacing_factor              pacing factor (1.02 = sends spaced 2 % wider than the quota)
+-- ARGV[8]  pause_recheck_us           recheck interval for a paused tenant, microseconds
+-- ARGV[9]  denial_slots               virtual slots handed out per denial (the pod uses the rest locally)
+-- ARGV[10] concurrency_retry_us       retry interval when the tenant is at its concurrency limit, microseconds
+-- ARGV[11] now_override_us            "now" override in microseconds, for tests only ("" = Redis TIME)
+-- ARGV[12] returning_remaining_us     a job back from a quota wait: microseconds still left to its place ("" = fresh job)
+-- ARGV[13] returning_interval_us      the spacing its place was computed with, microseconds ("" = unknown)
+-- ARGV[14] seen_cancel_ttl_ms         how long a seen cancellation is kept for other copies, milliseconds
 --
 -- Reply {code, a, b, c}:
 --   {0, delay, shadow, send}    granted at now + delay = send (microseconds since the epoch, Redis
@@ -45,39 +50,63 @@
 --   {5}                         cancelled
 --   {6, retry_in}               tenant at its concurrency limit
 
-local now
-if ARGV[11] ~= '' then
-  now = tonumber(ARGV[11])
-else
-  local t = redis.call('TIME')
-  now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-end
-local horizon = tonumber(ARGV[5])
-local pacing = tonumber(ARGV[7])
+local tenant_quota_key = KEYS[1]
+local tenant_tat_key = KEYS[2]
+local tenant_waiting_key = KEYS[3]
+local tenant_penalty_key = KEYS[4]
+local tenant_in_flight_key = KEYS[5]
+local shadow_tat_key = KEYS[6]
+local sent_key = KEYS[7]
+local lease_key = KEYS[8]
+local cancelled_id_key = KEYS[9]
+local cancelled_idempotency_key = KEYS[10]
+local default_quota_key = KEYS[11]
+local route_quota_key = KEYS[12]
+local route_tat_key = KEYS[13]
+local route_waiting_key = KEYS[14]
+local route_penalty_key = KEYS[15]
+local default_count = ARGV[1]
+local default_period_ms = ARGV[2]
+local default_burst = ARGV[3]
+local lease_token = ARGV[4]
+local horizon_us = ARGV[5]
+local lease_ttl_ms = ARGV[6]
+local pacing_factor = ARGV[7]
+local pause_recheck_us = ARGV[8]
+local denial_slots = ARGV[9]
+local concurrency_retry_us = ARGV[10]
+local now_override_us = ARGV[11]
+local returning_remaining_us = ARGV[12]
+local returning_interval_us = ARGV[13]
+local seen_cancel_ttl_ms = ARGV[14]
 
-if redis.call('EXISTS', KEYS[7]) == 1 then return {2} end
+local now = now_us(now_override_us)
+local horizon = tonumber(horizon_us)
+local pacing = tonumber(pacing_factor)
+
+if redis.call('EXISTS', sent_key) == 1 then return {2} end
 -- A cancellation waits (up to cancel_ttl) for its job; once the job is seen it
 -- is kept as long as a sent record, so other copies are skipped too.
 local cancelled = false
-for i = 9, 10 do
-  if redis.call('EXISTS', KEYS[i]) == 1 then
+for _, key in ipairs({cancelled_id_key, cancelled_idempotency_key}) do
+  if redis.call('EXISTS', key) == 1 then
     cancelled = true
-    local ttl = redis.call('PTTL', KEYS[i])
-    if ttl < 0 or ttl > tonumber(ARGV[14]) then redis.call('PEXPIRE', KEYS[i], ARGV[14]) end
+    local ttl = redis.call('PTTL', key)
+    if ttl < 0 or ttl > tonumber(seen_cancel_ttl_ms) then redis.call('PEXPIRE', key, seen_cancel_ttl_ms) end
   end
 end
 if cancelled then return {5} end
 
-local holder = redis.call('GET', KEYS[8])
-if holder and holder ~= ARGV[4] then
-  local ttl = redis.call('PTTL', KEYS[8])
+local holder = redis.call('GET', lease_key)
+if holder and holder ~= lease_token then
+  local ttl = redis.call('PTTL', lease_key)
   if ttl < 1 then ttl = 1 end
   return {3, ttl * 1000}
 end
 
-local q = redis.call('HMGET', KEYS[1], 'count', 'period_ms', 'burst', 'concurrency', 'paused',
+local q = redis.call('HMGET', tenant_quota_key, 'count', 'period_ms', 'burst', 'concurrency', 'paused',
   'shadow_count', 'shadow_period_ms', 'shadow_burst', 'updated_at_ms')
-if q[5] == '1' then return {4, tonumber(ARGV[8])} end
+if q[5] == '1' then return {4, tonumber(pause_recheck_us)} end
 
 -- A bucket: {interval, burst, changed_at} or nil. changed_at (microseconds)
 -- is when its quota last changed: places in line are re-spaced around it.
@@ -92,10 +121,10 @@ end
 
 local tenant = bucket(q[1], q[2], q[3], q[9])
 if not tenant then
-  local d = redis.call('HMGET', KEYS[11], 'count', 'period_ms', 'burst', 'updated_at_ms')
-  tenant = bucket(d[1], d[2], d[3], d[4]) or bucket(ARGV[1], ARGV[2], ARGV[3], nil)
+  local d = redis.call('HMGET', default_quota_key, 'count', 'period_ms', 'burst', 'updated_at_ms')
+  tenant = bucket(d[1], d[2], d[3], d[4]) or bucket(default_count, default_period_ms, default_burst, nil)
 end
-local r = redis.call('HMGET', KEYS[12], 'count', 'period_ms', 'burst', 'updated_at_ms')
+local r = redis.call('HMGET', route_quota_key, 'count', 'period_ms', 'burst', 'updated_at_ms')
 local route = bucket(r[1], r[2], r[3], r[4])
 
 -- A place in line given at spacing `old`, re-spaced to the bucket's current
@@ -117,8 +146,8 @@ end
 
 -- A provider 429 (Retry-After) on the tenant, or on the whole route when its
 -- 429s are account-wide: no send before this instant, whatever the burst.
-local penalty = math.max(tonumber(redis.call('GET', KEYS[4])) or 0,
-                         tonumber(redis.call('GET', KEYS[15])) or 0)
+local penalty = math.max(tonumber(redis.call('GET', tenant_penalty_key)) or 0,
+                         tonumber(redis.call('GET', route_penalty_key)) or 0)
 
 -- Microseconds until the bucket (and the penalty) allow a send.
 local function delay_of(tat, b)
@@ -145,25 +174,25 @@ local function waiting_slots(waiting_key, tat, b, n)
   return retry
 end
 
-local tenant_tat = load_tat(KEYS[2], tenant)
+local tenant_tat = load_tat(tenant_tat_key, tenant)
 local delay = delay_of(tenant_tat, tenant)
 local route_tat, route_delay = 0, 0
 if route then
-  route_tat = load_tat(KEYS[13], route)
+  route_tat = load_tat(route_tat_key, route)
   route_delay = delay_of(route_tat, route)
 end
 
-local n = tonumber(ARGV[9])
+local n = tonumber(denial_slots)
 if delay > horizon or route_delay > horizon then
   -- Queue behind whichever bucket is further out; only that one's queue moves.
-  local b, b_tat, b_waiting = tenant, tenant_tat, KEYS[3]
-  if route and route_delay > delay then b, b_tat, b_waiting = route, route_tat, KEYS[14] end
-  local remaining = tonumber(ARGV[12])
+  local b, b_tat, b_waiting = tenant, tenant_tat, tenant_waiting_key
+  if route and route_delay > delay then b, b_tat, b_waiting = route, route_tat, route_waiting_key end
+  local remaining = tonumber(returning_remaining_us)
   if remaining then
     -- Back from (a hop of) its wait: keep the place, re-spaced like the line
     -- if the quota changed since it was given. A place that has come and
     -- gone (someone else took the slot) goes to the back of the line.
-    local place = respace(now + remaining, tonumber(ARGV[13]), b)
+    local place = respace(now + remaining, tonumber(returning_interval_us), b)
     if place - now > horizon then
       return {1, math.ceil(place - now), math.floor(b[1]), 1, 1}
     end
@@ -173,9 +202,9 @@ end
 
 local concurrency = tonumber(q[4])
 if concurrency and concurrency > 0 then
-  redis.call('ZREMRANGEBYSCORE', KEYS[5], '-inf', now)
-  if redis.call('ZCARD', KEYS[5]) >= concurrency then
-    return {6, tonumber(ARGV[10])}
+  redis.call('ZREMRANGEBYSCORE', tenant_in_flight_key, '-inf', now)
+  if redis.call('ZCARD', tenant_in_flight_key) >= concurrency then
+    return {6, tonumber(concurrency_retry_us)}
   end
 end
 
@@ -188,27 +217,27 @@ local function advance(tat_key, tat, b)
   local next_tat = math.ceil(math.max(tat, send) + b[1])
   redis.call('SET', tat_key, string.format('%d', next_tat), 'PX', math.ceil((next_tat - now) / 1000) + 1000)
 end
-advance(KEYS[2], tenant_tat, tenant)
-if route then advance(KEYS[13], route_tat, route) end
+advance(tenant_tat_key, tenant_tat, tenant)
+if route then advance(route_tat_key, route_tat, route) end
 
-local lease_ms = tonumber(ARGV[6]) + math.ceil(delay / 1000)
-redis.call('SET', KEYS[8], ARGV[4], 'PX', lease_ms)
+local lease_ms = tonumber(lease_ttl_ms) + math.ceil(delay / 1000)
+redis.call('SET', lease_key, lease_token, 'PX', lease_ms)
 if concurrency and concurrency > 0 then
-  redis.call('ZADD', KEYS[5], string.format('%.0f', now + lease_ms * 1000), ARGV[4])
-  redis.call('PEXPIRE', KEYS[5], lease_ms + 1000)
+  redis.call('ZADD', tenant_in_flight_key, string.format('%.0f', now + lease_ms * 1000), lease_token)
+  redis.call('PEXPIRE', tenant_in_flight_key, lease_ms + 1000)
 end
 
 -- Shadow quota: would it have allowed this send? Computed, never enforced.
 local verdict = 0
 local shadow = bucket(q[6], q[7], q[8])
 if shadow then
-  local stat = tonumber(redis.call('GET', KEYS[6])) or send
+  local stat = tonumber(redis.call('GET', shadow_tat_key)) or send
   if stat < send then stat = send end
   local scap = send + shadow[1] * shadow[2]
   if stat > scap then stat = scap end
   if stat - shadow[1] * (shadow[2] - 1) <= send then verdict = 1 else verdict = 2 end
   local snext = math.max(stat, send) + shadow[1]
-  redis.call('SET', KEYS[6], string.format('%.0f', snext), 'PX', math.ceil((snext - now) / 1000) + 1000)
+  redis.call('SET', shadow_tat_key, string.format('%.0f', snext), 'PX', math.ceil((snext - now) / 1000) + 1000)
 end
 
 return {0, delay, verdict, send}

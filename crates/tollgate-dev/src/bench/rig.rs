@@ -11,12 +11,13 @@ use tollgate_amqp::Broker;
 use tollgate_core::{Clock, Job, Quota, UnixMillis};
 use tollgate_quota::QuotaStore;
 
-use crate::cli::{self, PublishArgs};
-use crate::config::{Config, SecretUrl};
 use crate::fake_provider::{Behavior, FakeProvider};
-use crate::metrics::Metrics;
-use crate::system_clock::SystemClock;
-use crate::worker::LiveWorker;
+use tollgate::cli::{self, PublishArgs};
+use tollgate::config::Config;
+use tollgate_core::SecretUrl;
+use tollgate_runtime::metrics::Metrics;
+use tollgate_runtime::system_clock::SystemClock;
+use tollgate_runtime::worker::LiveWorker;
 
 pub struct Rig {
     pub config: Config,
@@ -113,12 +114,13 @@ impl Rig {
         anyhow::bail!("no tenant named {stem}-1..64 lands on a wanted shard")
     }
 
-    /// Starts `tollgate worker` (this very binary) as a separate process.
+    /// Starts `tollgate worker` (the product binary, built beside this one)
+    /// as a separate process.
     pub async fn spawn_process(&mut self, extra: &[(&str, &str)]) -> anyhow::Result<Process> {
         let http_port = std::net::TcpListener::bind("127.0.0.1:0")?
             .local_addr()?
             .port();
-        let mut command = Command::new(std::env::current_exe()?);
+        let mut command = Command::new(crate::tollgate_binary()?);
         command
             .arg("worker")
             .env("TOLLGATE_PREFIX", &self.config.prefix)
@@ -153,7 +155,10 @@ impl Rig {
 
     /// Starts a worker inside this process, recording into `metrics`.
     pub async fn spawn_inprocess(&mut self, metrics: &Metrics) -> anyhow::Result<()> {
-        let worker = Arc::new(LiveWorker::new(&self.config, metrics.clone())?);
+        let worker = Arc::new(LiveWorker::new(
+            &self.config.worker_settings()?,
+            metrics.clone(),
+        )?);
         let (stop, mut stopped) = watch::channel(false);
         let task = tokio::spawn(Arc::clone(&worker).run(async move {
             let _ = stopped.wait_for(|&s| s).await;

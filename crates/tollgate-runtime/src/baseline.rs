@@ -30,8 +30,6 @@ use serde::{Deserialize, Serialize};
 use tollgate_core::{Kind, Quota, TenantId};
 use tollgate_quota::{Actor, Change, QuotaStore, Settings, Target};
 
-use crate::cli::parse_quota;
-
 #[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]
 #[serde(deny_unknown_fields)]
 pub struct Baseline {
@@ -47,14 +45,10 @@ pub struct Baseline {
 #[serde(deny_unknown_fields)]
 pub struct Entry {
     pub rate: String,
-    #[serde(default = "one")]
+    #[serde(default = "tollgate_core::default_burst")]
     pub burst: u32,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub concurrency: Option<u32>,
-}
-
-fn one() -> u32 {
-    1
 }
 
 impl Entry {
@@ -102,7 +96,7 @@ impl Baseline {
     pub fn changes(&self) -> anyhow::Result<Vec<(Target, Change, String)>> {
         let change = |e: &Entry| -> anyhow::Result<Change> {
             Ok(Change::SetQuota {
-                quota: parse_quota(&e.rate, e.burst)?,
+                quota: Quota::parse(&e.rate, e.burst).context("rate")?,
                 concurrency: e.concurrency,
             })
         };
@@ -181,7 +175,7 @@ impl Baseline {
 
 /// The quota a baseline entry stands for (for tests and tools).
 pub fn quota_of(entry: &Entry) -> anyhow::Result<Quota> {
-    parse_quota(&entry.rate, entry.burst)
+    Ok(Quota::parse(&entry.rate, entry.burst)?)
 }
 
 #[cfg(test)]
@@ -228,7 +222,7 @@ mod tests {
         let bad: Baseline = toml::from_str("[tenants.\"a b\"]\nrate = \"1/s\"").unwrap();
         assert!(format!("{:#}", bad.changes().unwrap_err()).contains("[tenants.a b]"));
         let bad: Baseline = toml::from_str("[tenants.acme]\nrate = \"lots\"").unwrap();
-        assert!(format!("{:#}", bad.changes().unwrap_err()).contains("--rate"));
+        assert!(format!("{:#}", bad.changes().unwrap_err()).contains("rate \"lots\""));
         assert!(toml::from_str::<Baseline>("[tenants.acme]\nrate = \"1/s\"\ntypo = 1").is_err());
     }
 }

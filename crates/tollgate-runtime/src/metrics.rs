@@ -255,10 +255,6 @@ impl Metrics {
         String::from_utf8(out).expect("the text format is UTF-8")
     }
 
-    pub fn registry(&self) -> &Registry {
-        &self.0.registry
-    }
-
     pub fn tenant(&self, tenant: &str) -> String {
         self.0.tenants.label(tenant)
     }

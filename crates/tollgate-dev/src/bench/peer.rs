@@ -32,10 +32,10 @@ use super::fairness::{due_offsets, lags_ms};
 use super::pacing::{self, MAX_IN_1S, OVER_QUOTA, UTILIZATION};
 use super::rig;
 use super::{BenchArgs, Compared, Figure, Scenario, percentile, progress};
-use crate::config::Config;
 use crate::fake_provider::{
     Behavior, FakeProvider, Received, always_ok, max_in_window, strict_limits,
 };
+use tollgate::config::Config;
 
 const REQUIREMENTS: &str = include_str!("../../bench-peer/requirements.txt");
 const MODULE: &str = include_str!("../../bench-peer/dramatiq_peer.py");

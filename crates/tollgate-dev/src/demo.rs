@@ -14,12 +14,13 @@ use clap::Args;
 use tokio::sync::watch;
 use tollgate_core::{Clock, Quota, UnixMillis};
 
-use crate::cli::{self, PublishArgs};
-use crate::config::{Config, SecretUrl};
 use crate::fake_provider::{FakeProvider, Received, strict_limits};
-use crate::metrics::Metrics;
-use crate::system_clock::SystemClock;
-use crate::worker::LiveWorker;
+use tollgate::cli::{self, PublishArgs};
+use tollgate::config::Config;
+use tollgate_core::SecretUrl;
+use tollgate_runtime::metrics::Metrics;
+use tollgate_runtime::system_clock::SystemClock;
+use tollgate_runtime::worker::LiveWorker;
 
 #[derive(Debug, Args)]
 pub struct DemoArgs {
@@ -139,7 +140,10 @@ pub async fn run(base: &Config, args: &DemoArgs) -> anyhow::Result<()> {
             name: Some(format!("demo-worker-{i}")),
             ..config.clone()
         };
-        let worker = Arc::new(LiveWorker::new(&worker_config, metrics.clone())?);
+        let worker = Arc::new(LiveWorker::new(
+            &worker_config.worker_settings()?,
+            metrics.clone(),
+        )?);
         let mut stop = stop_rx.clone();
         workers.push(tokio::spawn(worker.run(async move {
             let _ = stop.wait_for(|&s| s).await;

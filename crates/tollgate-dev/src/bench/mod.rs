@@ -32,7 +32,7 @@ use anyhow::Context;
 use clap::Args;
 use serde_json::json;
 
-use crate::config::Config;
+use tollgate::config::Config;
 
 #[derive(Debug, Args)]
 pub struct BenchArgs {

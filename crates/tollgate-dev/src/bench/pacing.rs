@@ -7,8 +7,8 @@ use serde_json::json;
 
 use super::rig::Rig;
 use super::{Figure, Scenario, progress};
-use crate::config::Config;
 use crate::fake_provider::{Received, always_ok, max_in_window, strict_limits};
+use tollgate::config::Config;
 
 pub async fn run(base: &Config) -> anyhow::Result<Vec<Scenario>> {
     Ok(vec![adherence(base).await?, live_change(base).await?])

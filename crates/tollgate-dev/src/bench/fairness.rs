@@ -8,9 +8,9 @@ use tollgate_core::UnixMillis;
 
 use super::rig::Rig;
 use super::{Figure, Scenario, percentile, progress};
-use crate::config::Config;
 use crate::fake_provider::{always_ok, max_in_window};
-use crate::metrics::Metrics;
+use tollgate::config::Config;
+use tollgate_runtime::metrics::Metrics;
 
 pub async fn run(base: &Config) -> anyhow::Result<Vec<Scenario>> {
     Ok(vec![

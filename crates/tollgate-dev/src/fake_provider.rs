@@ -16,7 +16,7 @@ use axum::routing::post;
 use tokio::sync::oneshot;
 use tollgate_core::{Clock, UnixMillis};
 
-use crate::system_clock::SystemClock;
+use tollgate_runtime::system_clock::SystemClock;
 
 /// One request as the provider saw it.
 #[derive(Clone, Debug)]

@@ -18,8 +18,8 @@ use tollgate_quota::Redis;
 
 use super::rig::{self, Rig};
 use super::{BenchArgs, Figure, Scenario, progress};
-use crate::config::Config;
 use crate::fake_provider::always_ok;
+use tollgate::config::Config;
 
 const TENANTS: u32 = 8;
 

@@ -36,12 +36,13 @@ use tracing::{Instrument, debug, error, info, info_span, warn};
 
 use crate::baseline::Baseline;
 use crate::commit::{CommitGate, Commitment, Shield};
-use crate::config::{Config, SecretUrl};
 use crate::health::Dependency;
 use crate::holds::HoldGate;
 use crate::metrics::{Metrics, UNKNOWN_TENANT};
+use crate::settings::WorkerSettings;
 use crate::system_clock::SystemClock;
 use crate::throttles::LocalThrottles;
+use tollgate_core::SecretUrl;
 
 /// How one delivery was settled.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -140,49 +141,46 @@ pub type LiveWorker = Worker<RedisPermits, HttpProvider>;
 
 impl LiveWorker {
     /// Builds the worker; nothing connects until [`Worker::run`].
-    pub fn new(config: &Config, metrics: Metrics) -> anyhow::Result<Self> {
-        let redis = Arc::new(Redis::new(&config.redis_settings())?);
-        let seeder = config.baseline()?.map(|baseline| Seeder {
-            path: config.quotas_file.clone().expect("a baseline has a file"),
-            baseline,
-            store: QuotaStore::new(Arc::clone(&redis), Keys::new(&config.prefix)),
-            every: Duration::from_millis(config.quota_seed_interval_ms),
+    pub fn new(settings: &WorkerSettings, metrics: Metrics) -> anyhow::Result<Self> {
+        let s = settings;
+        let redis = Arc::new(Redis::new(&s.redis)?);
+        let store = || QuotaStore::new(Arc::clone(&redis), Keys::new(&s.prefix));
+        let seeder = s.baseline.as_ref().map(|b| Seeder {
+            path: b.path.clone(),
+            baseline: b.baseline.clone(),
+            store: store(),
+            every: b.every,
         });
         let permits =
-            RedisPermits::new(Arc::clone(&redis), Keys::new(&config.prefix), config.permit_settings()?);
-        let provider = HttpProvider::new(
-            config.routes()?,
-            Duration::from_millis(config.provider_timeout_ms),
-        )?;
+            RedisPermits::new(Arc::clone(&redis), Keys::new(&s.prefix), s.permits.clone());
+        let provider = HttpProvider::new(s.routes.clone(), s.provider_timeout)?;
         Ok(Self {
-            amqp_url: config.amqp_url.clone(),
-            tls_ca_pem: config.tls_ca_pem()?,
-            topology: config.topology()?,
-            name: config.name(),
+            amqp_url: s.amqp_url.clone(),
+            tls_ca_pem: s.tls_ca_pem.clone(),
+            topology: s.topology.clone(),
+            name: s.name.clone(),
             broker: RwLock::new(None),
             permits,
             provider,
             metrics,
-            policy: config.policy()?,
-            limits: config.limits(),
+            policy: s.policy.clone(),
+            limits: s.limits,
             clock: Arc::new(SystemClock),
-            concurrency: config.concurrency,
-            shutdown_grace: Duration::from_millis(config.shutdown_grace_ms),
-            delivery_timeout: Duration::from_millis(config.delivery_timeout_ms),
+            concurrency: s.concurrency,
+            shutdown_grace: s.shutdown_grace,
+            delivery_timeout: s.delivery_timeout,
             commits: CommitGate::default(),
-            commit_reserve: Duration::from_millis(config.provider_timeout_ms)
-                + RECORD_RETRY_FOR
-                + Duration::from_secs(1),
-            redis_health: Dependency::new("Redis", config.redis_url.redacted()),
-            amqp_health: Dependency::new("RabbitMQ", config.amqp_url.redacted()),
+            commit_reserve: s.provider_timeout + RECORD_RETRY_FOR + Duration::from_secs(1),
+            redis_health: Dependency::new("Redis", s.redis_url_shown.clone()),
+            amqp_health: Dependency::new("RabbitMQ", s.amqp_url.redacted()),
             consuming: AtomicBool::new(false),
             redis_checked: tokio::sync::Mutex::new(None),
             stopping: watch::channel(false).0,
-            holds: HoldGate::new(config.tenant_hold_max),
+            holds: HoldGate::new(s.tenant_hold_max),
             throttles: LocalThrottles::default(),
             seeder: std::sync::Mutex::new(seeder),
-            quotas: QuotaStore::new(Arc::clone(&redis), Keys::new(&config.prefix)),
-            ceiling: config.pod_max_rate()?.map(|rate| {
+            quotas: store(),
+            ceiling: s.pod_max_rate.map(|rate| {
                 let period = Duration::from_micros(rate.interval_micros());
                 RateLimiter::direct(
                     governor::Quota::with_period(period).expect("a rate has a non-zero period"),
@@ -428,9 +426,9 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
             )
             .await?,
         );
-        for queue in crate::cli::declare(&broker, &self.quotas).await? {
+        for queue in crate::topology::declare(&broker, &self.quotas).await? {
             let depth = broker.queue_depth(&queue).await.unwrap_or(0);
-            warn!("{}", crate::cli::draining_note(&queue, depth));
+            warn!("{}", crate::topology::draining_note(&queue, depth));
         }
         let consumption = broker.consume(&self.name, self.concurrency).await?;
         Ok((broker, consumption))
@@ -709,15 +707,27 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
         let mut action = run.next(&self.policy, now);
         loop {
             action = match action {
+                Action::AwaitSlot { until } => {
+                    commitment.end();
+                    // Held whatever the hold cap: the permit is taken, and
+                    // shutdown lets it go out (the slot is at most one
+                    // permit horizon away).
+                    let _slot = self.holds.hold(&job.tenant, true);
+                    debug!(
+                        decision = "reserved",
+                        wait_ms = now.until(until).as_millis() as u64
+                    );
+                    tokio::time::sleep(now.until(until)).await;
+                    now = self.clock.now();
+                    run.next(&self.policy, now)
+                }
                 Action::Hold { until, reason } => {
                     // Waiting again: nothing begun that cannot be stopped.
                     commitment.end();
-                    // A reservation (no reason) is always held: its permit is
-                    // taken. Any other wait is held only while this pod holds
-                    // few of the tenant's jobs, so one tenant's waits cannot
-                    // fill the prefetch and block the tenants behind it.
-                    let Some(_slot) = self.holds.hold(&job.tenant, reason.is_none()) else {
-                        let reason = reason.expect("forced holds are never refused");
+                    // Held only while this pod holds few of the tenant's
+                    // jobs, so one tenant's waits cannot fill the prefetch
+                    // and block the tenants behind it.
+                    let Some(_slot) = self.holds.hold(&job.tenant, false) else {
                         action = run.park_instead(&self.policy, now, until, reason);
                         continue;
                     };
@@ -728,10 +738,9 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
                     let mut stopping = self.stopping.subscribe();
                     tokio::select! {
                         () = tokio::time::sleep(now.until(until)) => {}
-                        // Shutting down: park what may be parked, at once.
-                        Ok(_) = stopping.wait_for(|&s| s), if reason.is_some() => {
+                        // Shutting down: park it at once.
+                        Ok(_) = stopping.wait_for(|&s| s) => {
                             now = self.clock.now();
-                            let reason = reason.expect("guarded");
                             action = run.park_instead(&self.policy, now, until, reason);
                             continue;
                         }

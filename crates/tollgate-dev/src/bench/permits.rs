@@ -12,8 +12,8 @@ use tollgate_quota::{Keys, QuotaStore, Redis, RedisPermits};
 
 use super::throughput::client_round_trips;
 use super::{BenchArgs, Figure, Scenario, progress};
-use crate::cli;
-use crate::config::Config;
+use tollgate::cli;
+use tollgate::config::Config;
 
 const IN_FLIGHT: usize = 64;
 

@@ -1,0 +1,39 @@
+//! Declaring the RabbitMQ topology as a worker (and `tollgate topology
+//! declare`) does: the exchanges and queues, then the work queues a larger
+//! `shards` left behind, drained rather than stranded.
+
+use tollgate_amqp::Broker;
+use tollgate_quota::QuotaStore;
+
+/// Declares the topology, and drains the work queues a larger `shards` left
+/// behind (how many may exist is recorded in Redis); returns their names.
+/// With Redis unreachable, only the declaration is done.
+pub async fn declare(broker: &Broker, store: &QuotaStore) -> anyhow::Result<Vec<String>> {
+    broker.declare_topology().await?;
+    let shards = broker.topology().shards();
+    let known = match store.work_queues().await {
+        Ok(known) => known,
+        Err(e) => {
+            tracing::warn!(error = %e, "not looking for work queues left by a larger shards");
+            Some(shards)
+        }
+    };
+    let stale = broker.drain_stale_work_queues(known).await?;
+    let exist = shards + stale.len() as u16;
+    if known != Some(exist)
+        && let Err(e) = store.set_work_queues(exist).await
+    {
+        tracing::warn!(error = %e, "recording how many work queues exist");
+    }
+    Ok(stale)
+}
+
+/// What an operator needs to know about a work queue left by a larger
+/// `shards`.
+pub fn draining_note(queue: &str, depth: u32) -> String {
+    format!(
+        "{queue} is beyond TOLLGATE_SHARDS: unbound from the jobs exchange (no new jobs land \
+         there) and drained by every worker; {depth} job(s) left. Once it stays empty, delete \
+         it: rabbitmqctl delete_queue {queue}"
+    )
+}
