@@ -198,10 +198,28 @@ impl Broker {
     /// Declares the whole topology on a fresh channel (a failed declare
     /// closes its channel, so it must not be the publisher's).
     pub async fn declare_topology(&self) -> Result<(), AmqpError> {
+        self.on_channel("the topology declaration", async |channel| {
+            self.topology.declare(channel).await
+        })
+        .await
+    }
+
+    /// Runs `op` on a channel of its own (a failed operation closes its
+    /// channel), then closes it; every step bounded by [`REPLY_TIMEOUT`].
+    async fn on_channel<T>(
+        &self,
+        what: &'static str,
+        op: impl AsyncFnOnce(&Channel) -> Result<T, AmqpError>,
+    ) -> Result<T, AmqpError> {
         let channel = self.open_channel().await?;
-        let declared = bounded("the topology declaration", self.topology.declare(&channel)).await;
-        let _ = channel.close(200, "declared".into()).await;
-        declared
+        let result = bounded(what, op(&channel)).await;
+        if channel.status().connected() {
+            let _ = bounded("a channel close", async {
+                Ok(channel.close(200, "done".into()).await?)
+            })
+            .await;
+        }
+        result
     }
 
     /// Work queues left by a larger `shards`: unbound from the jobs
@@ -220,16 +238,13 @@ impl Broker {
             _ => self.stale_work_queues(known).await?,
         };
         if !stale.is_empty() {
-            let channel = self.open_channel().await?;
-            let unbound = bounded("unbinding stale work queues", async {
+            self.on_channel("unbinding stale work queues", async |channel| {
                 for queue in &stale {
-                    self.topology.unbind_work_queue(&channel, queue).await?;
+                    self.topology.unbind_work_queue(channel, queue).await?;
                 }
                 Ok(())
             })
-            .await;
-            let _ = channel.close(200, "unbound".into()).await;
-            unbound?;
+            .await?;
         }
         stale.clone_into(&mut self.draining.lock().expect("not poisoned"));
         Ok(stale)
@@ -241,23 +256,7 @@ impl Broker {
         let mut stale = Vec::new();
         for i in self.topology.shards()..known.unwrap_or(u16::MAX) {
             let queue = self.topology.work_queue(i);
-            // A passive declare of a missing queue closes its channel.
-            let channel = self.open_channel().await?;
-            let options = QueueDeclareOptions {
-                passive: true,
-                ..Default::default()
-            };
-            let exists = bounded("a queue probe", async {
-                Ok(channel
-                    .queue_declare(queue.as_str().into(), options, FieldTable::default())
-                    .await
-                    .is_ok())
-            })
-            .await?;
-            if channel.status().connected() {
-                let _ = channel.close(200, "probed".into()).await;
-            }
-            if !exists {
+            if !self.queue_exists(&queue).await? {
                 break;
             }
             stale.push(queue);
@@ -274,10 +273,10 @@ impl Broker {
     }
 
     pub async fn delete_topology(&self) -> Result<(), AmqpError> {
-        let channel = self.open_channel().await?;
-        let result = self.topology.delete(&channel).await;
-        let _ = channel.close(200, "deleted".into()).await;
-        result
+        self.on_channel("deleting the topology", async |channel| {
+            self.topology.delete(channel).await
+        })
+        .await
     }
 
     /// Publishes `body` and waits for the broker's confirm. `mandatory`, so a
@@ -448,18 +447,26 @@ impl Broker {
 
     /// Messages ready in `queue` (passive declare: fails if it is missing).
     pub async fn queue_depth(&self, queue: &str) -> Result<u32, AmqpError> {
-        let channel = self.open_channel().await?;
-        let options = QueueDeclareOptions {
-            passive: true,
-            ..Default::default()
-        };
-        let result = channel
-            .queue_declare(queue.into(), options, FieldTable::default())
-            .await
-            .map(|q| q.message_count())
-            .map_err(|e| AmqpError::declare(queue, e));
-        let _ = channel.close(200, "done".into()).await;
-        result
+        self.on_channel("a queue's depth", async |channel| {
+            channel
+                .queue_declare(queue.into(), passive(), FieldTable::default())
+                .await
+                .map(|q| q.message_count())
+                .map_err(|e| AmqpError::declare(queue, e))
+        })
+        .await
+    }
+
+    /// Whether `queue` exists. (A passive declare of a missing queue makes
+    /// the broker close the channel, which lapin logs as an error.)
+    async fn queue_exists(&self, queue: &str) -> Result<bool, AmqpError> {
+        self.on_channel("a queue probe", async |channel| {
+            Ok(channel
+                .queue_declare(queue.into(), passive(), FieldTable::default())
+                .await
+                .is_ok())
+        })
+        .await
     }
 
     /// Reads up to `limit` dead letters without removing or wearing them.
@@ -588,13 +595,13 @@ impl Broker {
 
     /// Deletes every message of `queue`; returns how many.
     pub async fn purge(&self, queue: &str) -> Result<u32, AmqpError> {
-        let channel = self.open_channel().await?;
-        let purged = channel
-            .queue_purge(queue.into(), Default::default())
-            .await
-            .map_err(|e| AmqpError::declare(queue, e))?;
-        let _ = channel.close(200, "purged".into()).await;
-        Ok(purged)
+        self.on_channel("a purge", async |channel| {
+            channel
+                .queue_purge(queue.into(), Default::default())
+                .await
+                .map_err(|e| AmqpError::declare(queue, e))
+        })
+        .await
     }
 
     pub async fn close(&self) {
@@ -647,6 +654,13 @@ impl ConsumerControl {
             Ok(self.channel.close(200, "consumer done".into()).await?)
         })
         .await;
+    }
+}
+
+fn passive() -> QueueDeclareOptions {
+    QueueDeclareOptions {
+        passive: true,
+        ..Default::default()
     }
 }
 

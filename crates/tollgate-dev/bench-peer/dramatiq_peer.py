@@ -1,8 +1,8 @@
-"""The Dramatiq peer of `tollgate bench`: the same job, done the idiomatic
+"""The Dramatiq peer of `tollgate-dev bench`: the same job, done the idiomatic
 Dramatiq way, so both can be measured side by side against the same fake
 provider in the same run.
 
-`tollgate bench` embeds this file, writes it into its venv
+`tollgate-dev bench` embeds this file, writes it into its venv
 (target/bench-venv/peer/) and uses it three ways:
 
 - as the worker module: `dramatiq dramatiq_peer --processes P --threads T`.

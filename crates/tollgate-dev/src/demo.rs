@@ -1,4 +1,4 @@
-//! `tollgate demo`: a self-contained live demonstration on the local RabbitMQ
+//! `tollgate-dev demo`: a self-contained live demonstration on the local RabbitMQ
 //! and Redis. A fake provider enforces its own per-tenant limits (429 over
 //! them); several workers share the tenants' quotas through Redis; a table
 //! shows, per tenant, what was sent, parked and throttled, the achieved rate
@@ -120,7 +120,7 @@ pub async fn run(base: &Config, args: &DemoArgs) -> anyhow::Result<()> {
     }
 
     println!(
-        "tollgate demo: {} workers, prefix {}, fake provider at {}",
+        "tollgate-dev demo: {} workers, prefix {}, fake provider at {}",
         args.workers,
         config.prefix,
         provider.url()

@@ -1,4 +1,4 @@
-//! `tollgate bench`: figures measured side by side on the same machine in
+//! `tollgate-dev bench`: figures measured side by side on the same machine in
 //! the same run, written to `target/bench/report.json` and `report.md`.
 //! This machine is shared and noisy, so repeated figures are reported as
 //! median, min and max, and comparisons as ratios measured in one run.
