@@ -161,6 +161,10 @@ async fn shrinking_shards_drains_the_queues_left_behind() {
         .await
         .unwrap();
     let env = TestEnv::new_with(&provider.url(), |c| c.shards = 4).await;
+    // Declared as an installation with 4 shards does (which records them).
+    tollgate_runtime::topology::declare(&env.broker, &env.quotas, None)
+        .await
+        .unwrap();
     let tenants: Vec<String> = (0..40).map(|i| format!("t{i}")).collect();
     for tenant in &tenants {
         env.set_quota(tenant, "100/s", 10).await;

@@ -225,18 +225,11 @@ impl Broker {
     /// Work queues left by a larger `shards`: unbound from the jobs
     /// exchange, so no new job lands there, and drained by
     /// [`Broker::consume`]; returns their names. `known` is how many work
-    /// queues may exist (from the last declaration); queues are probed from
-    /// `shards` up to it, or, when unknown, up to the first missing one.
-    /// (Probing a missing queue makes the broker close a channel, which
-    /// lapin logs as an error: hence the bound.)
-    pub async fn drain_stale_work_queues(
-        &self,
-        known: Option<u16>,
-    ) -> Result<Vec<String>, AmqpError> {
-        let stale = match known {
-            Some(n) if n <= self.topology.shards() => Vec::new(),
-            _ => self.stale_work_queues(known).await?,
-        };
+    /// queues may exist; queues are probed from `shards` up to it, stopping
+    /// at the first missing one. Probing a missing queue makes the broker
+    /// close a channel, which lapin logs as an error: callers bound it.
+    pub async fn drain_stale_work_queues(&self, known: u16) -> Result<Vec<String>, AmqpError> {
+        let stale = self.stale_work_queues(known).await?;
         if !stale.is_empty() {
             self.on_channel("unbinding stale work queues", async |channel| {
                 for queue in &stale {
@@ -252,9 +245,9 @@ impl Broker {
 
     /// `{prefix}.work.N` for N ≥ shards (below `known`) that still exist,
     /// probed in order until one is missing.
-    async fn stale_work_queues(&self, known: Option<u16>) -> Result<Vec<String>, AmqpError> {
+    async fn stale_work_queues(&self, known: u16) -> Result<Vec<String>, AmqpError> {
         let mut stale = Vec::new();
-        for i in self.topology.shards()..known.unwrap_or(u16::MAX) {
+        for i in self.topology.shards()..known {
             let queue = self.topology.work_queue(i);
             if !self.queue_exists(&queue).await? {
                 break;

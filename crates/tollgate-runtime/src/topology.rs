@@ -6,21 +6,30 @@ use tollgate_amqp::Broker;
 use tollgate_quota::QuotaStore;
 
 /// Declares the topology, and drains the work queues a larger `shards` left
-/// behind (how many may exist is recorded in Redis); returns their names.
-/// With Redis unreachable, only the declaration is done.
-pub async fn declare(broker: &Broker, store: &QuotaStore) -> anyhow::Result<Vec<String>> {
+/// behind; returns their names. How many work queues may exist is recorded
+/// in Redis at every declaration; `beyond` (from `tollgate topology declare
+/// --drain-from`) names it when Redis lost that record. With Redis
+/// unreachable, only the declaration is done.
+pub async fn declare(
+    broker: &Broker,
+    store: &QuotaStore,
+    beyond: Option<u16>,
+) -> anyhow::Result<Vec<String>> {
     broker.declare_topology().await?;
     let shards = broker.topology().shards();
-    let known = match store.work_queues().await {
-        Ok(known) => known,
+    let recorded = match store.work_queues().await {
+        Ok(recorded) => recorded,
         Err(e) => {
             tracing::warn!(error = %e, "not looking for work queues left by a larger shards");
-            Some(shards)
+            return Ok(Vec::new());
         }
     };
+    // No record (a new installation, or Redis lost it): nothing is probed,
+    // as probing a missing queue makes the broker close a channel.
+    let known = recorded.max(beyond).unwrap_or(shards);
     let stale = broker.drain_stale_work_queues(known).await?;
     let exist = shards + stale.len() as u16;
-    if known != Some(exist)
+    if recorded != Some(exist)
         && let Err(e) = store.set_work_queues(exist).await
     {
         tracing::warn!(error = %e, "recording how many work queues exist");

@@ -426,7 +426,7 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
             )
             .await?,
         );
-        for queue in crate::topology::declare(&broker, &self.quotas).await? {
+        for queue in crate::topology::declare(&broker, &self.quotas, None).await? {
             let depth = broker.queue_depth(&queue).await.unwrap_or(0);
             warn!("{}", crate::topology::draining_note(&queue, depth));
         }

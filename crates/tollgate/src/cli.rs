@@ -220,9 +220,18 @@ pub struct CancelArgs {
 
 #[derive(Debug, Subcommand)]
 pub enum TopologyCommand {
-    /// Declare exchanges and queues (idempotent).
-    #[command(after_help = "Example: TOLLGATE_PREFIX=tollgate tollgate topology declare")]
-    Declare,
+    /// Declare exchanges and queues (idempotent); work queues a larger
+    /// `shards` left behind are unbound and drained by the workers.
+    #[command(
+        after_help = "Examples:\n  TOLLGATE_PREFIX=tollgate tollgate topology declare\n  \
+        TOLLGATE_SHARDS=2 tollgate topology declare --drain-from 8   # shards was 8 and Redis lost its record"
+    )]
+    Declare {
+        /// How many work queues there were before, when Redis no longer
+        /// records it (it does from the first declaration on).
+        #[arg(long)]
+        drain_from: Option<u16>,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -706,10 +715,11 @@ pub async fn cancel(config: &Config, args: &CancelArgs, actor: &Actor) -> anyhow
 
 pub async fn topology(config: &Config, command: &TopologyCommand) -> anyhow::Result<()> {
     match command {
-        TopologyCommand::Declare => {
+        TopologyCommand::Declare { drain_from } => {
             let broker = connect_broker(config, "topology").await?;
             let draining =
-                tollgate_runtime::topology::declare(&broker, &quota_store(config)?).await?;
+                tollgate_runtime::topology::declare(&broker, &quota_store(config)?, *drain_from)
+                    .await?;
             let t = broker.topology();
             println!(
                 "declared {} → {} work queue(s), {} delay tier(s), {}",
