@@ -14,6 +14,9 @@
 //!   fleet obeying a lowered and a raised quota.
 //! - `fairness`: a noisy neighbour's effect on a quiet tenant, parks per
 //!   sent job of a backlog, due precision of scheduled jobs.
+//! - `sweep`: the noisy neighbour (quiet tenants on the noisy queue and on
+//!   another), scheduled jobs, the 8-process adherence and 200 tenants at
+//!   once, with worker processes at `TOLLGATE_CONCURRENCY` 4, 16, 64, 256.
 //! - `peer`: Dramatiq (from PyPI, installed into a venv under `target/`)
 //!   with its RabbitMQ broker and a Redis-backed rate limiter per tenant,
 //!   through the throughput, adherence, noisy-neighbour and due-precision
@@ -24,6 +27,7 @@ mod pacing;
 mod peer;
 mod permits;
 mod rig;
+mod sweep;
 mod throughput;
 
 use std::path::PathBuf;
@@ -45,7 +49,7 @@ pub struct BenchArgs {
     /// Seconds per permit-path measurement.
     #[arg(long, default_value_t = 3)]
     pub permit_seconds: u64,
-    /// Only these scenarios (throughput, permits, pacing, fairness, peer).
+    /// Only these scenarios (throughput, permits, pacing, fairness, sweep, peer).
     #[arg(long, value_delimiter = ',')]
     pub only: Vec<String>,
     /// Where report.json and report.md go.
@@ -183,6 +187,9 @@ pub async fn run(base: &Config, args: &BenchArgs) -> anyhow::Result<()> {
     }
     if wanted("fairness") {
         scenarios.extend(fairness::run(base).await.context("fairness scenarios")?);
+    }
+    if wanted("sweep") {
+        scenarios.extend(sweep::run(base).await.context("concurrency sweep")?);
     }
     let mut peer_versions = serde_json::Value::Null;
     if wanted("peer") {

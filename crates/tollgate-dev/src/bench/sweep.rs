@@ -1,0 +1,309 @@
+//! The concurrency sweep: the fairness, precision and adherence scenarios
+//! again at `TOLLGATE_CONCURRENCY` 4, 16, 64 and 256 (the per-pod prefetch),
+//! with worker processes of the product binary and a strict provider (429
+//! beyond each tenant's quota in any sliding second). What a promise is
+//! worth one step off the defaults.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+use tollgate_core::UnixMillis;
+
+use super::fairness::lags_ms;
+use super::pacing::{adherence_figures, utilization};
+use super::rig::{Rig, scrape};
+use super::{Figure, Scenario, percentile, progress};
+use crate::fake_provider::{Received, max_in_window, strict_limits};
+use tollgate::config::Config;
+
+/// The prefetch values swept, with their scenario keys and titles.
+const SWEEP: [(u16, &str, &str); 4] = [
+    (4, "sweep_c4", "Sweep: TOLLGATE_CONCURRENCY=4"),
+    (16, "sweep_c16", "Sweep: TOLLGATE_CONCURRENCY=16"),
+    (64, "sweep_c64", "Sweep: TOLLGATE_CONCURRENCY=64 (default)"),
+    (256, "sweep_c256", "Sweep: TOLLGATE_CONCURRENCY=256"),
+];
+
+const WORKERS: usize = 4;
+
+pub async fn run(base: &Config) -> anyhow::Result<Vec<Scenario>> {
+    let mut out = Vec::new();
+    for (concurrency, key, title) in SWEEP {
+        let mut figures = noisy_neighbour(base, concurrency).await?;
+        figures.extend(scheduled(base, concurrency).await?);
+        figures.extend(adherence(base, concurrency).await?);
+        figures.extend(many_tenants(base, concurrency).await?);
+        out.push(Scenario {
+            key,
+            title,
+            parameters: json!({
+                "concurrency": concurrency,
+                "shards": base.shards,
+                "noisy_neighbour": format!(
+                    "{WORKERS} worker processes; noisy: 2000 jobs at once, quota 10/s burst 1; \
+                     quiet: one job every 0.5 s for 20 s at 100/s, one on the noisy tenant's \
+                     work queue, one on another"
+                ),
+                "scheduled": format!("{WORKERS} worker processes; 150 jobs due 2–20 s ahead, quota 100/s burst 10"),
+                "adherence": "8 worker processes; one tenant at 20/s burst 1, 400-job backlog",
+                "many_tenants": format!(
+                    "{WORKERS} worker processes; 200 tenants × 20 jobs at 2/s burst 1 each (ideal drain 10 s)"
+                ),
+                "provider": "strict: 429 beyond each tenant's quota in any sliding second",
+            }),
+            figures,
+        });
+    }
+    Ok(out)
+}
+
+fn env(concurrency: u16) -> [(&'static str, String); 1] {
+    [("TOLLGATE_CONCURRENCY", concurrency.to_string())]
+}
+
+async fn spawn_workers(rig: &mut Rig, concurrency: u16, n: usize) -> anyhow::Result<Vec<u16>> {
+    let vars = env(concurrency);
+    let extra: Vec<(&str, &str)> = vars.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let mut ports = Vec::with_capacity(n);
+    for _ in 0..n {
+        ports.push(rig.spawn_process(&extra).await?.http_port);
+    }
+    Ok(ports)
+}
+
+fn times(received: &[Received], tenant: &str) -> Vec<Instant> {
+    received
+        .iter()
+        .filter(|r| r.tenant == tenant)
+        .map(|r| r.instant)
+        .collect()
+}
+
+async fn noisy_neighbour(base: &Config, concurrency: u16) -> anyhow::Result<Vec<Figure>> {
+    const QUIET_SECONDS: u64 = 20;
+    progress(&format!(
+        "sweep c={concurrency}: noisy neighbour, {WORKERS} worker processes"
+    ));
+    // The quiet tenants are picked among beside-1…64 and apart-1…64 once
+    // the work queues exist (which queue a tenant hashes to depends on them).
+    let mut limits = HashMap::from([("noisy".to_owned(), 10)]);
+    for i in 1..=64 {
+        limits.insert(format!("beside-{i}"), 100);
+        limits.insert(format!("apart-{i}"), 100);
+    }
+    let mut rig = Rig::new(base, strict_limits(limits)).await?;
+    let noisy_shard = rig.shard_of("noisy").await?;
+    let beside = rig.tenant_where("beside", |s| s == noisy_shard).await?;
+    let apart = rig.tenant_where("apart", |s| s != noisy_shard).await?;
+    rig.set_quota("noisy", "10/s", 1).await?;
+    for quiet in [&beside, &apart] {
+        rig.set_quota(quiet, "100/s", 1).await?;
+    }
+    let ports = spawn_workers(&mut rig, concurrency, WORKERS).await?;
+    rig.publish("noisy", 2000, None, "{}").await?;
+    let mut quiet: [Vec<(String, UnixMillis)>; 2] = Default::default();
+    for _ in 0..QUIET_SECONDS * 2 {
+        for (tenant, sent) in [&beside, &apart].into_iter().zip(&mut quiet) {
+            let (jobs, at) = rig.publish(tenant, 1, None, "{}").await?;
+            sent.extend(jobs.into_iter().map(|j| (j.id.to_string(), at)));
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let received = rig.provider.received();
+    let mut parks = 0.0;
+    for port in &ports {
+        parks += scrape(*port, "tollgate_parked_total{").await.unwrap_or(0.0);
+    }
+    rig.cleanup().await?;
+
+    let noisy: Vec<&Received> = received.iter().filter(|r| r.tenant == "noisy").collect();
+    let sent = received.iter().filter(|r| r.status == 200).count();
+    let beside_lags = lags_ms(&received, &quiet[0]);
+    let apart_lags = lags_ms(&received, &quiet[1]);
+    Ok(vec![
+        Figure::new(
+            "quiet on the noisy queue: sent of published",
+            "fraction",
+            vec![beside_lags.len() as f64 / quiet[0].len() as f64],
+        )
+        .target("1"),
+        Figure::new(
+            "quiet on the noisy queue: due lag p50",
+            "ms",
+            vec![percentile(&beside_lags, 0.5)],
+        ),
+        Figure::new(
+            "quiet on the noisy queue: due lag p99",
+            "ms",
+            vec![percentile(&beside_lags, 0.99)],
+        )
+        .target("< 50"),
+        Figure::new(
+            "quiet on another queue: due lag p50",
+            "ms",
+            vec![percentile(&apart_lags, 0.5)],
+        ),
+        Figure::new(
+            "quiet on another queue: due lag p99",
+            "ms",
+            vec![percentile(&apart_lags, 0.99)],
+        )
+        .target("< 50"),
+        Figure::new(
+            "noisy: max requests in any 1 s (quota 10)",
+            "requests",
+            vec![max_in_window(&times(&received, "noisy"), Duration::from_secs(1)) as f64],
+        )
+        .target("<= 10"),
+        Figure::new(
+            "noisy: 429s",
+            "requests",
+            vec![noisy.iter().filter(|r| r.status == 429).count() as f64],
+        )
+        .target("0"),
+        Figure::new(
+            "noisy: quota use",
+            "fraction",
+            vec![utilization(&noisy, 10.0)],
+        )
+        .target(">= 0.97"),
+        Figure::new(
+            "parks per sent job (all tenants)",
+            "parks/job",
+            vec![parks / sent.max(1) as f64],
+        )
+        .target("<= 1.5"),
+    ])
+}
+
+/// `n` due offsets, uniform over 2–20 s, the same on every run.
+fn due_offsets(n: u64) -> Vec<Duration> {
+    let mut seed: u64 = 0x5eed;
+    (0..n)
+        .map(|_| {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            Duration::from_millis(2_000 + (seed >> 33) % 18_000)
+        })
+        .collect()
+}
+
+async fn scheduled(base: &Config, concurrency: u16) -> anyhow::Result<Vec<Figure>> {
+    const JOBS: u64 = 150;
+    progress(&format!(
+        "sweep c={concurrency}: {JOBS} jobs due 2–20 s ahead"
+    ));
+    let mut rig = Rig::new(base, crate::fake_provider::always_ok()).await?;
+    rig.set_quota("cron", "100/s", 10).await?;
+    spawn_workers(&mut rig, concurrency, WORKERS).await?;
+    let mut due = Vec::new();
+    for due_in in due_offsets(JOBS) {
+        let (jobs, _) = rig.publish("cron", 1, Some(due_in), "{}").await?;
+        due.extend(
+            jobs.into_iter()
+                .map(|j| (j.id.to_string(), j.due_at.expect("scheduled"))),
+        );
+    }
+    let finished = rig
+        .until_accepted(JOBS as usize, Duration::from_secs(40))
+        .await;
+    let lags = lags_ms(&rig.provider.received(), &due);
+    rig.cleanup().await?;
+    finished?;
+    let early = lags.iter().filter(|&&l| l < 0.0).count();
+    Ok(vec![
+        Figure::new("scheduled: due lag p50", "ms", vec![percentile(&lags, 0.5)]),
+        Figure::new(
+            "scheduled: due lag p99",
+            "ms",
+            vec![percentile(&lags, 0.99)],
+        )
+        .target("< 100"),
+        Figure::new("scheduled: sent before due", "jobs", vec![early as f64]).target("0"),
+    ])
+}
+
+async fn adherence(base: &Config, concurrency: u16) -> anyhow::Result<Vec<Figure>> {
+    const PROCESSES: usize = 8;
+    const JOBS: u32 = 400;
+    progress(&format!(
+        "sweep c={concurrency}: adherence, {PROCESSES} worker processes on one 20/s quota"
+    ));
+    let strict = strict_limits(HashMap::from([("fleet".to_owned(), 20)]));
+    let mut rig = Rig::new(base, strict).await?;
+    rig.set_quota("fleet", "20/s", 1).await?;
+    spawn_workers(&mut rig, concurrency, PROCESSES).await?;
+    rig.publish("fleet", JOBS, None, "{}").await?;
+    let finished = rig
+        .until_accepted(JOBS as usize, Duration::from_secs(120))
+        .await;
+    let received = rig.provider.received();
+    rig.cleanup().await?;
+    finished?;
+    Ok(adherence_figures(&received)
+        .into_iter()
+        .map(|f| Figure {
+            name: match f.name {
+                super::pacing::MAX_IN_1S => "adherence (8 processes): max in any 1 s (quota 20)",
+                super::pacing::OVER_QUOTA => "adherence (8 processes): 429s",
+                _ => "adherence (8 processes): quota use",
+            },
+            ..f
+        })
+        .collect())
+}
+
+async fn many_tenants(base: &Config, concurrency: u16) -> anyhow::Result<Vec<Figure>> {
+    const TENANTS: usize = 200;
+    const JOBS: u32 = 20;
+    const LIMIT: Duration = Duration::from_secs(60);
+    progress(&format!(
+        "sweep c={concurrency}: {TENANTS} tenants × {JOBS} jobs at 2/s each"
+    ));
+    let names: Vec<String> = (0..TENANTS).map(|i| format!("many-{i}")).collect();
+    let limits = names.iter().map(|t| (t.clone(), 2)).collect();
+    let mut rig = Rig::new(base, strict_limits(limits)).await?;
+    for tenant in &names {
+        rig.set_quota(tenant, "2/s", 1).await?;
+    }
+    spawn_workers(&mut rig, concurrency, WORKERS).await?;
+    let started = Instant::now();
+    for tenant in &names {
+        rig.publish(tenant, JOBS, None, "{}").await?;
+    }
+    let total = TENANTS * JOBS as usize;
+    // Not finishing within the limit is a figure (sent within 60 s), not an error.
+    let _ = rig.until_accepted(total, LIMIT).await;
+    let drain = started.elapsed();
+    let received = rig.provider.received();
+    rig.cleanup().await?;
+    let sent = received.iter().filter(|r| r.status == 200).count();
+    let worst = names
+        .iter()
+        .map(|t| max_in_window(&times(&received, t), Duration::from_secs(1)))
+        .max()
+        .unwrap_or(0);
+    Ok(vec![
+        Figure::new(
+            "many tenants: drain time (ideal 10 s)",
+            "s",
+            vec![drain.as_secs_f64()],
+        ),
+        Figure::new("many tenants: sent within 60 s", "jobs", vec![sent as f64]).target("4000"),
+        Figure::new(
+            "many tenants: 429s",
+            "requests",
+            vec![received.iter().filter(|r| r.status == 429).count() as f64],
+        )
+        .target("0"),
+        Figure::new(
+            "many tenants: busiest tenant in any 1 s (quota 2)",
+            "requests",
+            vec![worst as f64],
+        )
+        .target("<= 2"),
+    ])
+}
