@@ -244,3 +244,55 @@ async fn a_job_due_in_two_hours_is_parked_and_consumer_timeout_never_fires() {
     worker.stop().await.unwrap();
     env.cleanup().await;
 }
+
+/// `concurrency = 1` (one provider call at a time, as a fragile provider
+/// wants) once also meant a prefetch of one: the pod's only delivery slot
+/// held the noisy tenant's next reservation, and a quiet tenant queued
+/// behind the backlog waited for all of it. Now `concurrency` bounds the
+/// calls and the prefetch stays large enough to look past the backlog.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_call_at_a_time_still_reaches_a_tenant_behind_a_backlog() {
+    const CALL: Duration = Duration::from_millis(100);
+    let provider = FakeProvider::start(std::sync::Arc::new(|_: &tollgate_tests::Received, _| {
+        tollgate_tests::Reply::ok().after(CALL)
+    }))
+    .await
+    .unwrap();
+    // One work queue: the quiet tenant's jobs are behind the whole backlog.
+    let env = TestEnv::new_with(&provider.url(), |c| c.shards = 1).await;
+    env.set_quota("noisy", "5/s", 1).await;
+    env.set_quota("quiet", "100/s", 1).await;
+    let worker = env.spawn_worker_with(|c| c.concurrency = 1).await;
+    env.publish("noisy", 300, |_| {}).await;
+    let quiet = env.publish("quiet", 5, |_| {}).await;
+
+    wait_for("the quiet jobs", Duration::from_secs(30), || async {
+        provider
+            .received()
+            .iter()
+            .filter(|r| r.tenant == "quiet")
+            .count()
+            >= 5
+    })
+    .await;
+    let received = provider.received();
+    let noisy_before = received
+        .iter()
+        .take_while(|r| r.tenant != "quiet" || !r.job_id.ends_with(quiet[4].id.as_str()))
+        .filter(|r| r.tenant == "noisy")
+        .count();
+    eprintln!(
+        "one call at a time: the quiet tenant's 5 jobs went out after {noisy_before} of the 300 noisy ones"
+    );
+    assert!(
+        noisy_before < 300 / 2,
+        "the quiet tenant waited for most of the backlog ({noisy_before} noisy sends first)"
+    );
+    // Still one call at a time: each takes CALL at the provider, so no two
+    // arrive closer than that.
+    let arrivals: Vec<Instant> = received.iter().map(|r| r.instant).collect();
+    let overlapping = arrivals.windows(2).filter(|w| w[1] - w[0] < CALL).count();
+    assert_eq!(overlapping, 0, "two provider calls were in flight at once");
+    worker.stop().await.unwrap();
+    env.cleanup().await;
+}

@@ -30,8 +30,10 @@ pub struct WorkerSettings {
     pub provider_timeout: Duration,
     pub policy: Policy,
     pub limits: Limits,
-    /// Deliveries held at once (the prefetch).
+    /// Provider calls made at once.
     pub concurrency: u16,
+    /// Deliveries held at once (the AMQP prefetch).
+    pub prefetch: u16,
     pub shutdown_grace: Duration,
     /// Longest one delivery may take before it is handed back as hung.
     pub delivery_timeout: Duration,

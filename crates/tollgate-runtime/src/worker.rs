@@ -68,7 +68,10 @@ pub struct Worker<P, V> {
     policy: Policy,
     limits: Limits,
     clock: Arc<dyn Clock>,
-    concurrency: u16,
+    /// Deliveries held at once (the AMQP prefetch).
+    prefetch: u16,
+    /// One permit per provider call in flight (`concurrency`).
+    calls: Arc<tokio::sync::Semaphore>,
     shutdown_grace: Duration,
     /// Longest one delivery may take before it is handed back (a hang);
     /// never while its provider call or a broker retry is under way.
@@ -166,7 +169,10 @@ impl LiveWorker {
             policy: s.policy.clone(),
             limits: s.limits,
             clock: Arc::new(SystemClock),
-            concurrency: s.concurrency,
+            prefetch: s.prefetch,
+            calls: Arc::new(tokio::sync::Semaphore::new(usize::from(
+                s.concurrency.max(1),
+            ))),
             shutdown_grace: s.shutdown_grace,
             delivery_timeout: s.delivery_timeout,
             commits: CommitGate::default(),
@@ -430,7 +436,7 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
             let depth = broker.queue_depth(&queue).await.unwrap_or(0);
             warn!("{}", crate::topology::draining_note(&queue, depth));
         }
-        let consumption = broker.consume(&self.name, self.concurrency).await?;
+        let consumption = broker.consume(&self.name, self.prefetch).await?;
         Ok((broker, consumption))
     }
 
@@ -448,7 +454,7 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
         *self.broker.write().expect("not poisoned") = Some(Arc::clone(&broker));
         self.amqp_health.up();
         self.set_consuming(true);
-        info!(name = %self.name, concurrency = self.concurrency, "worker consuming");
+        info!(name = %self.name, prefetch = self.prefetch, "worker consuming");
         let mut health = tokio::time::interval(Duration::from_secs(1));
         let lost = loop {
             tokio::select! {
@@ -813,6 +819,13 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
                         action = run.hold_back(&self.policy, until, now);
                         continue;
                     }
+                    // One of this pod's `concurrency` call slots; a job that
+                    // waits for one holds its delivery (and its permit).
+                    let _call = Arc::clone(&self.calls)
+                        .acquire_owned()
+                        .await
+                        .expect("the call semaphore is never closed");
+                    now = self.clock.now();
                     if !commitment.begin(&self.commits).await {
                         // Shutting down: too late in the grace period to
                         // begin a call. Release the permit, hand it back.

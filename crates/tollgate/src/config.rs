@@ -59,8 +59,14 @@ pub struct Config {
     pub eligibility_url: Option<SecretUrl>,
     /// More routes, by kind: `[routes.email] url = "…"`.
     pub routes: BTreeMap<String, RouteConfig>,
-    /// Deliveries one pod holds at once (the AMQP prefetch).
+    /// Provider calls one pod makes at once (1 for a provider that wants one
+    /// call at a time).
     pub concurrency: u16,
+    /// Deliveries one pod holds unacked at once, waiting or in progress (the
+    /// AMQP prefetch, split over the work queues). Unset: the larger of
+    /// `concurrency` and 64, so a small `concurrency` never leaves a pod
+    /// too few deliveries to look past one tenant's backlog.
+    pub prefetch: Option<u16>,
     /// Failed provider attempts (408/5xx/timeout) before `exhausted`.
     pub max_attempts: u32,
     pub http_addr: SocketAddr,
@@ -121,7 +127,8 @@ pub struct Config {
     pub quota_seed_interval_ms: u64,
     /// Deliveries of one tenant a pod holds in-process at once; beyond it,
     /// short waits are parked too, so one tenant cannot fill the prefetch.
-    pub tenant_hold_max: usize,
+    /// Unset: half of one work queue's share of the prefetch (at least 1).
+    pub tenant_hold_max: Option<usize>,
     /// Number of work queues tenants are hashed over.
     pub shards: u16,
     pub delay_tiers_ms: Vec<u64>,
@@ -158,6 +165,7 @@ impl Default for Config {
             eligibility_url: None,
             routes: BTreeMap::new(),
             concurrency: 64,
+            prefetch: None,
             max_attempts: 8,
             http_addr: ([0, 0, 0, 0], 9090).into(),
             http_max_connections: 64,
@@ -171,7 +179,7 @@ impl Default for Config {
             backoff_max_ms: 300_000,
             hold_max_ms: 1_000,
             permit_horizon_ms: 500,
-            tenant_hold_max: 8,
+            tenant_hold_max: None,
             pacing_margin_pct: 2.0,
             pause_recheck_ms: 5_000,
             unavailable_retry_ms: 1_000,
@@ -306,8 +314,11 @@ impl Config {
         if !(0.0..=50.0).contains(&self.pacing_margin_pct) {
             bail!("pacing_margin_pct must be between 0 and 50");
         }
-        if self.tenant_hold_max == 0 {
+        if self.tenant_hold_max == Some(0) {
             bail!("tenant_hold_max must be at least 1");
+        }
+        if self.prefetch == Some(0) {
+            bail!("prefetch must be at least 1");
         }
         if self.http_max_connections == 0 || self.http_request_timeout_ms == 0 {
             bail!("http_max_connections and http_request_timeout_ms must be at least 1");
@@ -378,6 +389,22 @@ impl Config {
         }
     }
 
+    /// Deliveries a pod holds at once: `prefetch`, else the larger of
+    /// `concurrency` and 64.
+    pub fn prefetch(&self) -> u16 {
+        self.prefetch.unwrap_or(self.concurrency.max(64))
+    }
+
+    /// Deliveries of one tenant a pod holds in-process: `tenant_hold_max`,
+    /// else half of one work queue's share of the prefetch, so one tenant's
+    /// waits always leave room on its queue for the others.
+    pub fn tenant_hold_max(&self) -> usize {
+        self.tenant_hold_max.unwrap_or_else(|| {
+            let share = usize::from(self.prefetch()).div_ceil(usize::from(self.shards.max(1)));
+            (share / 2).max(1)
+        })
+    }
+
     pub fn limits(&self) -> Limits {
         Limits {
             max_body_bytes: self.max_body_bytes,
@@ -434,9 +461,10 @@ impl Config {
             policy: self.policy()?,
             limits: self.limits(),
             concurrency: self.concurrency,
+            prefetch: self.prefetch(),
             shutdown_grace: Duration::from_millis(self.shutdown_grace_ms),
             delivery_timeout: Duration::from_millis(self.delivery_timeout_ms),
-            tenant_hold_max: self.tenant_hold_max,
+            tenant_hold_max: self.tenant_hold_max(),
             pod_max_rate: self.pod_max_rate()?,
             baseline: match (&self.quotas_file, self.baseline()?) {
                 (Some(path), Some(baseline)) => Some(BaselineSettings {
@@ -645,6 +673,36 @@ mod tests {
             assert!(!shown.contains(canary), "{canary} leaked: {shown}");
         }
         assert!(shown.contains("REDACTED"));
+    }
+
+    #[test]
+    fn the_prefetch_and_the_hold_cap_follow_concurrency_and_shards() {
+        let one_call = Config {
+            concurrency: 1,
+            ..Config::default()
+        };
+        assert_eq!(
+            one_call.prefetch(),
+            64,
+            "one call at a time keeps a useful prefetch"
+        );
+        assert_eq!(one_call.tenant_hold_max(), 8, "64 / 4 shards / 2");
+        let wide = Config {
+            concurrency: 256,
+            shards: 8,
+            ..Config::default()
+        };
+        assert_eq!((wide.prefetch(), wide.tenant_hold_max()), (256, 16));
+        let tiny = Config {
+            prefetch: Some(4),
+            ..Config::default()
+        };
+        assert_eq!(tiny.tenant_hold_max(), 1, "never zero");
+        let set = Config {
+            tenant_hold_max: Some(3),
+            ..Config::default()
+        };
+        assert_eq!(set.tenant_hold_max(), 3);
     }
 
     #[test]

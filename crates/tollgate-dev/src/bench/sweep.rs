@@ -1,8 +1,9 @@
 //! The concurrency sweep: the fairness, precision and adherence scenarios
-//! again at `TOLLGATE_CONCURRENCY` 4, 16, 64 and 256 (the per-pod prefetch),
-//! with worker processes of the product binary and a strict provider (429
-//! beyond each tenant's quota in any sliding second). What a promise is
-//! worth one step off the defaults.
+//! again at `TOLLGATE_CONCURRENCY` 4, 16, 64 and 256 (provider calls per
+//! pod; the prefetch follows, at least 64), and once with the prefetch
+//! itself forced down to 4, with worker processes of the product binary and
+//! a strict provider (429 beyond each tenant's quota in any sliding second).
+//! What a promise is worth one step off the defaults.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -17,28 +18,45 @@ use super::{Figure, Scenario, percentile, progress};
 use crate::fake_provider::{Received, max_in_window, strict_limits};
 use tollgate::config::Config;
 
-/// The prefetch values swept, with their scenario keys and titles.
-const SWEEP: [(u16, &str, &str); 4] = [
-    (4, "sweep_c4", "Sweep: TOLLGATE_CONCURRENCY=4"),
-    (16, "sweep_c16", "Sweep: TOLLGATE_CONCURRENCY=16"),
-    (64, "sweep_c64", "Sweep: TOLLGATE_CONCURRENCY=64 (default)"),
-    (256, "sweep_c256", "Sweep: TOLLGATE_CONCURRENCY=256"),
+/// The settings swept (concurrency, prefetch if forced), with their
+/// scenario keys and titles.
+const SWEEP: [(u16, Option<u16>, &str, &str); 5] = [
+    (4, None, "sweep_c4", "Sweep: TOLLGATE_CONCURRENCY=4"),
+    (16, None, "sweep_c16", "Sweep: TOLLGATE_CONCURRENCY=16"),
+    (
+        64,
+        None,
+        "sweep_c64",
+        "Sweep: TOLLGATE_CONCURRENCY=64 (default)",
+    ),
+    (256, None, "sweep_c256", "Sweep: TOLLGATE_CONCURRENCY=256"),
+    (
+        4,
+        Some(4),
+        "sweep_p4",
+        "Sweep: TOLLGATE_CONCURRENCY=4, TOLLGATE_PREFETCH=4",
+    ),
 ];
 
 const WORKERS: usize = 4;
 
 pub async fn run(base: &Config) -> anyhow::Result<Vec<Scenario>> {
     let mut out = Vec::new();
-    for (concurrency, key, title) in SWEEP {
-        let mut figures = noisy_neighbour(base, concurrency).await?;
-        figures.extend(scheduled(base, concurrency).await?);
-        figures.extend(adherence(base, concurrency).await?);
-        figures.extend(many_tenants(base, concurrency).await?);
+    for (concurrency, prefetch, key, title) in SWEEP {
+        let setting = Setting {
+            concurrency,
+            prefetch,
+        };
+        let mut figures = noisy_neighbour(base, setting).await?;
+        figures.extend(scheduled(base, setting).await?);
+        figures.extend(adherence(base, setting).await?);
+        figures.extend(many_tenants(base, setting).await?);
         out.push(Scenario {
             key,
             title,
             parameters: json!({
                 "concurrency": concurrency,
+                "prefetch": prefetch.map_or_else(|| "max(concurrency, 64)".to_owned(), |p| p.to_string()),
                 "shards": base.shards,
                 "noisy_neighbour": format!(
                     "{WORKERS} worker processes; noisy: 2000 jobs at once, quota 10/s burst 1; \
@@ -58,12 +76,28 @@ pub async fn run(base: &Config) -> anyhow::Result<Vec<Scenario>> {
     Ok(out)
 }
 
-fn env(concurrency: u16) -> [(&'static str, String); 1] {
-    [("TOLLGATE_CONCURRENCY", concurrency.to_string())]
+/// One point of the sweep.
+#[derive(Clone, Copy)]
+struct Setting {
+    concurrency: u16,
+    prefetch: Option<u16>,
 }
 
-async fn spawn_workers(rig: &mut Rig, concurrency: u16, n: usize) -> anyhow::Result<Vec<u16>> {
-    let vars = env(concurrency);
+impl std::fmt::Display for Setting {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "c={}", self.concurrency)?;
+        match self.prefetch {
+            Some(p) => write!(f, " prefetch={p}"),
+            None => Ok(()),
+        }
+    }
+}
+
+async fn spawn_workers(rig: &mut Rig, setting: Setting, n: usize) -> anyhow::Result<Vec<u16>> {
+    let mut vars = vec![("TOLLGATE_CONCURRENCY", setting.concurrency.to_string())];
+    if let Some(prefetch) = setting.prefetch {
+        vars.push(("TOLLGATE_PREFETCH", prefetch.to_string()));
+    }
     let extra: Vec<(&str, &str)> = vars.iter().map(|(k, v)| (*k, v.as_str())).collect();
     let mut ports = Vec::with_capacity(n);
     for _ in 0..n {
@@ -80,10 +114,10 @@ fn times(received: &[Received], tenant: &str) -> Vec<Instant> {
         .collect()
 }
 
-async fn noisy_neighbour(base: &Config, concurrency: u16) -> anyhow::Result<Vec<Figure>> {
+async fn noisy_neighbour(base: &Config, setting: Setting) -> anyhow::Result<Vec<Figure>> {
     const QUIET_SECONDS: u64 = 20;
     progress(&format!(
-        "sweep c={concurrency}: noisy neighbour, {WORKERS} worker processes"
+        "sweep {setting}: noisy neighbour, {WORKERS} worker processes"
     ));
     // The quiet tenants are picked among beside-1…64 and apart-1…64 once
     // the work queues exist (which queue a tenant hashes to depends on them).
@@ -100,7 +134,7 @@ async fn noisy_neighbour(base: &Config, concurrency: u16) -> anyhow::Result<Vec<
     for quiet in [&beside, &apart] {
         rig.set_quota(quiet, "100/s", 1).await?;
     }
-    let ports = spawn_workers(&mut rig, concurrency, WORKERS).await?;
+    let ports = spawn_workers(&mut rig, setting, WORKERS).await?;
     rig.publish("noisy", 2000, None, "{}").await?;
     let mut quiet: [Vec<(String, UnixMillis)>; 2] = Default::default();
     for _ in 0..QUIET_SECONDS * 2 {
@@ -191,14 +225,12 @@ fn due_offsets(n: u64) -> Vec<Duration> {
         .collect()
 }
 
-async fn scheduled(base: &Config, concurrency: u16) -> anyhow::Result<Vec<Figure>> {
+async fn scheduled(base: &Config, setting: Setting) -> anyhow::Result<Vec<Figure>> {
     const JOBS: u64 = 150;
-    progress(&format!(
-        "sweep c={concurrency}: {JOBS} jobs due 2–20 s ahead"
-    ));
+    progress(&format!("sweep {setting}: {JOBS} jobs due 2–20 s ahead"));
     let mut rig = Rig::new(base, crate::fake_provider::always_ok()).await?;
     rig.set_quota("cron", "100/s", 10).await?;
-    spawn_workers(&mut rig, concurrency, WORKERS).await?;
+    spawn_workers(&mut rig, setting, WORKERS).await?;
     let mut due = Vec::new();
     for due_in in due_offsets(JOBS) {
         let (jobs, _) = rig.publish("cron", 1, Some(due_in), "{}").await?;
@@ -226,16 +258,16 @@ async fn scheduled(base: &Config, concurrency: u16) -> anyhow::Result<Vec<Figure
     ])
 }
 
-async fn adherence(base: &Config, concurrency: u16) -> anyhow::Result<Vec<Figure>> {
+async fn adherence(base: &Config, setting: Setting) -> anyhow::Result<Vec<Figure>> {
     const PROCESSES: usize = 8;
     const JOBS: u32 = 400;
     progress(&format!(
-        "sweep c={concurrency}: adherence, {PROCESSES} worker processes on one 20/s quota"
+        "sweep {setting}: adherence, {PROCESSES} worker processes on one 20/s quota"
     ));
     let strict = strict_limits(HashMap::from([("fleet".to_owned(), 20)]));
     let mut rig = Rig::new(base, strict).await?;
     rig.set_quota("fleet", "20/s", 1).await?;
-    spawn_workers(&mut rig, concurrency, PROCESSES).await?;
+    spawn_workers(&mut rig, setting, PROCESSES).await?;
     rig.publish("fleet", JOBS, None, "{}").await?;
     let finished = rig
         .until_accepted(JOBS as usize, Duration::from_secs(120))
@@ -256,12 +288,12 @@ async fn adherence(base: &Config, concurrency: u16) -> anyhow::Result<Vec<Figure
         .collect())
 }
 
-async fn many_tenants(base: &Config, concurrency: u16) -> anyhow::Result<Vec<Figure>> {
+async fn many_tenants(base: &Config, setting: Setting) -> anyhow::Result<Vec<Figure>> {
     const TENANTS: usize = 200;
     const JOBS: u32 = 20;
     const LIMIT: Duration = Duration::from_secs(60);
     progress(&format!(
-        "sweep c={concurrency}: {TENANTS} tenants × {JOBS} jobs at 2/s each"
+        "sweep {setting}: {TENANTS} tenants × {JOBS} jobs at 2/s each"
     ));
     let names: Vec<String> = (0..TENANTS).map(|i| format!("many-{i}")).collect();
     let limits = names.iter().map(|t| (t.clone(), 2)).collect();
@@ -269,7 +301,7 @@ async fn many_tenants(base: &Config, concurrency: u16) -> anyhow::Result<Vec<Fig
     for tenant in &names {
         rig.set_quota(tenant, "2/s", 1).await?;
     }
-    spawn_workers(&mut rig, concurrency, WORKERS).await?;
+    spawn_workers(&mut rig, setting, WORKERS).await?;
     let started = Instant::now();
     for tenant in &names {
         rig.publish(tenant, JOBS, None, "{}").await?;
