@@ -4,7 +4,7 @@
 //!
 //! The port is reachable by anything in the cluster, so it is bounded: at
 //! most [`ServerLimits::max_connections`] connections (more are closed at
-//! once), each closed when idle past the request timeout (a client that
+//! once), each closed when idle well past the request timeout (a client that
 //! trickles or stalls its headers), and every request answered within the
 //! request timeout (408 otherwise).
 
@@ -81,7 +81,8 @@ pub struct ServerLimits {
     /// Connections served at once; more are closed as they arrive.
     pub max_connections: usize,
     /// Longest a request may take (reading its body included): 408 after.
-    /// A connection idle for longer (plus a second) is closed.
+    /// A connection idle for twice as long (plus a second) is closed: well
+    /// after a stalled request's 408 is due, so a busy pod still sends it.
     pub request_timeout: Duration,
 }
 
@@ -100,7 +101,7 @@ pub async fn serve(
     let listener = Bounded {
         listener,
         slots: Arc::new(Semaphore::new(limits.max_connections)),
-        idle: limits.request_timeout + Duration::from_secs(1),
+        idle: limits.request_timeout * 2 + Duration::from_secs(1),
     };
     let router = router.layer(tower_http::timeout::TimeoutLayer::with_status_code(
         StatusCode::REQUEST_TIMEOUT,
