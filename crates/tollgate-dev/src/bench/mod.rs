@@ -49,7 +49,9 @@ pub struct BenchArgs {
     /// Seconds per permit-path measurement.
     #[arg(long, default_value_t = 3)]
     pub permit_seconds: u64,
-    /// Only these scenarios (throughput, permits, pacing, fairness, sweep, peer).
+    /// Only these scenarios (throughput, permits, pacing, fairness, sweep,
+    /// peer; or one point of the sweep: sweep_c4, sweep_c16, sweep_c64,
+    /// sweep_c256, sweep_p4).
     #[arg(long, value_delimiter = ',')]
     pub only: Vec<String>,
     /// Where report.json and report.md go.
@@ -188,9 +190,9 @@ pub async fn run(base: &Config, args: &BenchArgs) -> anyhow::Result<()> {
     if wanted("fairness") {
         scenarios.extend(fairness::run(base).await.context("fairness scenarios")?);
     }
-    if wanted("sweep") {
-        scenarios.extend(sweep::run(base).await.context("concurrency sweep")?);
-    }
+    // `sweep` runs every point; `sweep_c4`, `sweep_p4`, … one each.
+    let point = |key: &str| wanted("sweep") || (!args.only.is_empty() && wanted(key));
+    scenarios.extend(sweep::run(base, point).await.context("concurrency sweep")?);
     let mut peer_versions = serde_json::Value::Null;
     if wanted("peer") {
         let (peer, versions) = peer::run(base, args)

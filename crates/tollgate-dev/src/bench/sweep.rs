@@ -40,9 +40,13 @@ const SWEEP: [(u16, Option<u16>, &str, &str); 5] = [
 
 const WORKERS: usize = 4;
 
-pub async fn run(base: &Config) -> anyhow::Result<Vec<Scenario>> {
+/// Runs the points of the sweep whose key `wanted` accepts.
+pub async fn run(base: &Config, wanted: impl Fn(&str) -> bool) -> anyhow::Result<Vec<Scenario>> {
     let mut out = Vec::new();
     for (concurrency, prefetch, key, title) in SWEEP {
+        if !wanted(key) {
+            continue;
+        }
         let setting = Setting {
             concurrency,
             prefetch,
