@@ -252,6 +252,28 @@ async fn a_job_due_in_two_hours_is_parked_and_consumer_timeout_never_fires() {
 /// calls and the prefetch stays large enough to look past the backlog.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_call_at_a_time_still_reaches_a_tenant_behind_a_backlog() {
+    quiet_behind_a_backlog("one call at a time", |c| c.concurrency = 1).await;
+}
+
+/// A prefetch forced down to one delivery per work queue: the slot must
+/// not sit on the noisy tenant's reservations or short waits. With no hold
+/// room, its jobs take only imminent reservations and park otherwise, so
+/// the quiet tenant's jobs get through (they waited for the whole 60 s
+/// backlog before).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_delivery_per_work_queue_still_reaches_a_tenant_behind_a_backlog() {
+    quiet_behind_a_backlog("prefetch 1", |c| {
+        c.concurrency = 1;
+        c.prefetch = Some(1);
+    })
+    .await;
+}
+
+/// One work queue; a noisy tenant's 300-job backlog at 5/s (60 s of work),
+/// then 5 jobs of a quiet tenant behind it. The quiet jobs must go out
+/// before most of the backlog, and the noisy tenant must stay within its
+/// quota; at most one provider call at a time.
+async fn quiet_behind_a_backlog(setting: &str, tweak: impl FnOnce(&mut tollgate::config::Config)) {
     const CALL: Duration = Duration::from_millis(100);
     let provider = FakeProvider::start(std::sync::Arc::new(|_: &tollgate_tests::Received, _| {
         tollgate_tests::Reply::ok().after(CALL)
@@ -262,7 +284,7 @@ async fn one_call_at_a_time_still_reaches_a_tenant_behind_a_backlog() {
     let env = TestEnv::new_with(&provider.url(), |c| c.shards = 1).await;
     env.set_quota("noisy", "5/s", 1).await;
     env.set_quota("quiet", "100/s", 1).await;
-    let worker = env.spawn_worker_with(|c| c.concurrency = 1).await;
+    let worker = env.spawn_worker_with(tweak).await;
     env.publish("noisy", 300, |_| {}).await;
     let quiet = env.publish("quiet", 5, |_| {}).await;
 
@@ -282,17 +304,29 @@ async fn one_call_at_a_time_still_reaches_a_tenant_behind_a_backlog() {
         .filter(|r| r.tenant == "noisy")
         .count();
     eprintln!(
-        "one call at a time: the quiet tenant's 5 jobs went out after {noisy_before} of the 300 noisy ones"
+        "{setting}: the quiet tenant's 5 jobs went out after {noisy_before} of the 300 noisy ones"
     );
     assert!(
         noisy_before < 300 / 2,
-        "the quiet tenant waited for most of the backlog ({noisy_before} noisy sends first)"
+        "{setting}: the quiet tenant waited for most of the backlog ({noisy_before} noisy sends first)"
+    );
+    let noisy: Vec<Instant> = received
+        .iter()
+        .filter(|r| r.tenant == "noisy")
+        .map(|r| r.instant)
+        .collect();
+    assert!(
+        max_in_window(&noisy, Duration::from_secs(1)) <= 5,
+        "{setting}: the noisy tenant went over 5 in a second"
     );
     // Still one call at a time: each takes CALL at the provider, so no two
     // arrive closer than that.
     let arrivals: Vec<Instant> = received.iter().map(|r| r.instant).collect();
     let overlapping = arrivals.windows(2).filter(|w| w[1] - w[0] < CALL).count();
-    assert_eq!(overlapping, 0, "two provider calls were in flight at once");
+    assert_eq!(
+        overlapping, 0,
+        "{setting}: two provider calls were in flight at once"
+    );
     worker.stop().await.unwrap();
     env.cleanup().await;
 }

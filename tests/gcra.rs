@@ -26,6 +26,37 @@ fn settings(default: Quota) -> PermitSettings {
     }
 }
 
+/// A permit store on a fresh random prefix, and the quota store that
+/// purges it.
+fn stores(quota: Quota) -> (RedisPermits, QuotaStore) {
+    let config = tollgate::Config::load(None).expect("TOLLGATE_* environment is valid");
+    let prefix = format!(
+        "tgtest-gcra-{}",
+        &uuid::Uuid::new_v4().simple().to_string()[..10]
+    );
+    let redis = Arc::new(Redis::new(&config.redis_settings()).unwrap());
+    let permits = RedisPermits::new(Arc::clone(&redis), Keys::new(&prefix), settings(quota));
+    (permits, QuotaStore::new(redis, Keys::new(&prefix)))
+}
+
+/// A fresh job's request (no place in line, the store's whole horizon).
+fn request<'a>(
+    tenant: &'a TenantId,
+    route: &'a Kind,
+    id: &'a JobId,
+    key: &'a IdempotencyKey,
+) -> PermitRequest<'a> {
+    PermitRequest {
+        tenant,
+        route,
+        job_id: id,
+        key,
+        lease_token: "t",
+        returning: None,
+        reserve_within: None,
+    }
+}
+
 /// Send times (µs) granted for requests arriving at `arrivals` (µs offsets).
 async fn granted_sends(quota: Quota, arrivals: &[u64]) -> Vec<u64> {
     granted_sends_around(quota, arrivals, None)
@@ -45,13 +76,7 @@ async fn granted_sends_around(
     arrivals: &[u64],
     throttle: Option<(u64, Duration, ThrottleScope)>,
 ) -> Vec<(u64, u64)> {
-    let config = tollgate::Config::load(None).expect("TOLLGATE_* environment is valid");
-    let prefix = format!(
-        "tgtest-gcra-{}",
-        &uuid::Uuid::new_v4().simple().to_string()[..10]
-    );
-    let redis = Arc::new(Redis::new(&config.redis_settings()).unwrap());
-    let permits = RedisPermits::new(Arc::clone(&redis), Keys::new(&prefix), settings(quota));
+    let (permits, quotas) = stores(quota);
     let tenant = TenantId::parse("prop").unwrap();
     let route = Kind::default_kind();
     let mut sends = Vec::new();
@@ -64,18 +89,16 @@ async fn granted_sends_around(
                 JobId::parse("n").unwrap(),
             );
             let key = IdempotencyKey::from(&id);
-            let throttled = PermitRequest {
-                tenant: if scope == ThrottleScope::Tenant {
+            let throttled = request(
+                if scope == ThrottleScope::Tenant {
                     &tenant
                 } else {
                     &noisy
                 },
-                route: &route,
-                job_id: &id,
-                key: &key,
-                lease_token: "n",
-                returning: None,
-            };
+                &route,
+                &id,
+                &key,
+            );
             let penalty = Penalty { wait, scope };
             permits
                 .record(throttled, false, Some(penalty), Some(T0 + at))
@@ -84,14 +107,7 @@ async fn granted_sends_around(
         }
         let id = JobId::parse(format!("j{i}")).unwrap();
         let key = IdempotencyKey::from(&id);
-        let req = PermitRequest {
-            tenant: &tenant,
-            route: &route,
-            job_id: &id,
-            key: &key,
-            lease_token: "t",
-            returning: None,
-        };
+        let req = request(&tenant, &route, &id, &key);
         let now = T0 + offset;
         if let Reply::Decision(PermitDecision::Granted { delay, .. }) =
             permits.decide(req, 1, Some(now)).await.unwrap()
@@ -99,10 +115,7 @@ async fn granted_sends_around(
             sends.push((offset, now + delay.as_micros() as u64));
         }
     }
-    QuotaStore::new(redis, Keys::new(&prefix))
-        .purge_prefix()
-        .await
-        .unwrap();
+    quotas.purge_prefix().await.unwrap();
     sends
 }
 
@@ -194,13 +207,7 @@ fn a_tenant_scoped_429_leaves_other_tenants_of_the_route_alone() {
     // `noisy` was throttled, not `prop`: its requests go on at its pace.
     let runtime = runtime();
     let sends = runtime.block_on(async {
-        let config = tollgate::Config::load(None).expect("TOLLGATE_* environment is valid");
-        let prefix = format!(
-            "tgtest-gcra-{}",
-            &uuid::Uuid::new_v4().simple().to_string()[..10]
-        );
-        let redis = Arc::new(Redis::new(&config.redis_settings()).unwrap());
-        let permits = RedisPermits::new(Arc::clone(&redis), Keys::new(&prefix), settings(quota));
+        let (permits, quotas) = stores(quota);
         let (noisy, other, route) = (
             TenantId::parse("noisy").unwrap(),
             TenantId::parse("other").unwrap(),
@@ -208,14 +215,7 @@ fn a_tenant_scoped_429_leaves_other_tenants_of_the_route_alone() {
         );
         let id = JobId::parse("n").unwrap();
         let key = IdempotencyKey::from(&id);
-        let req = |tenant| PermitRequest {
-            tenant,
-            route: &route,
-            job_id: &id,
-            key: &key,
-            lease_token: "t",
-            returning: None,
-        };
+        let req = |tenant| request(tenant, &route, &id, &key);
         let (wait, scope) = (Duration::from_secs(2), ThrottleScope::Tenant);
         permits
             .record(req(&noisy), false, Some(Penalty { wait, scope }), Some(T0))
@@ -223,10 +223,7 @@ fn a_tenant_scoped_429_leaves_other_tenants_of_the_route_alone() {
             .unwrap();
         let other_decision = permits.decide(req(&other), 1, Some(T0 + 1)).await.unwrap();
         let noisy_decision = permits.decide(req(&noisy), 1, Some(T0 + 1)).await.unwrap();
-        QuotaStore::new(redis, Keys::new(&prefix))
-            .purge_prefix()
-            .await
-            .unwrap();
+        quotas.purge_prefix().await.unwrap();
         (other_decision, noisy_decision)
     });
     assert!(
@@ -238,5 +235,62 @@ fn a_tenant_scoped_429_leaves_other_tenants_of_the_route_alone() {
         matches!(sends.1, Reply::Denied { retry_in, .. } if retry_in >= Duration::from_micros(1_749_999)),
         "the throttled tenant waits out its Retry-After (less the horizon): {:?}",
         sends.1
+    );
+}
+
+/// A pod with no hold room for a tenant narrows the reservation window: a
+/// slot further out than that is a place in line (and the job is told to
+/// come back just before it), never a reservation it would have to hold.
+/// Fresh jobs queue behind places already handed out.
+#[test]
+fn a_narrowed_window_gives_a_place_instead_of_a_reservation() {
+    // 10/s burst 1: slots 100 ms apart; the horizon is 250 ms.
+    let quota = Quota::new("10/s".parse().unwrap(), 1).unwrap();
+    let decisions = runtime().block_on(async {
+        let (permits, quotas) = stores(quota);
+        let (tenant, route) = (TenantId::parse("prop").unwrap(), Kind::default_kind());
+        let mut decisions = Vec::new();
+        for (i, window) in [None, None, Some(50), Some(150), Some(10_000)]
+            .into_iter()
+            .enumerate()
+        {
+            let id = JobId::parse(format!("j{i}")).unwrap();
+            let key = IdempotencyKey::from(&id);
+            let req = PermitRequest {
+                reserve_within: window.map(Duration::from_millis),
+                ..request(&tenant, &route, &id, &key)
+            };
+            decisions.push(permits.decide(req, 1, Some(T0)).await.unwrap());
+        }
+        quotas.purge_prefix().await.unwrap();
+        decisions
+    });
+    let granted = |d: &Reply| match d {
+        Reply::Decision(PermitDecision::Granted { delay, .. }) => Some(delay.as_millis()),
+        _ => None,
+    };
+    assert_eq!(granted(&decisions[0]), Some(0), "{decisions:?}");
+    assert_eq!(
+        granted(&decisions[1]),
+        Some(100),
+        "the full window reserves the next slot: {decisions:?}"
+    );
+    // The next slot is 200 ms out: beyond a 50 ms window, it is a place
+    // (come back 50 ms before it), and nothing is reserved…
+    assert!(
+        matches!(decisions[2], Reply::Denied { retry_in, .. } if retry_in == Duration::from_millis(150)),
+        "{decisions:?}"
+    );
+    // …and the jobs after it queue behind that place, even when their
+    // window reaches the free slot: the 300 ms place, 150 ms before it…
+    assert!(
+        matches!(decisions[3], Reply::Denied { retry_in, .. } if retry_in == Duration::from_millis(150)),
+        "{decisions:?}"
+    );
+    // …and the 400 ms place, told to come back the store's 250 ms horizon
+    // before it (a window wider than the horizon is the horizon).
+    assert!(
+        matches!(decisions[4], Reply::Denied { retry_in, .. } if retry_in == Duration::from_millis(150)),
+        "{decisions:?}"
     );
 }

@@ -25,6 +25,11 @@ pub struct PermitRequest<'a> {
     /// The job is back from a quota wait: decided by the fleet, never from
     /// a pod's local cache, and it keeps its place if still denied.
     pub returning: Option<Returning>,
+    /// How far ahead a permit may be reserved for this job: `None` is the
+    /// store's horizon. A pod that would not hold the job that long (its
+    /// tenant has no hold room left) narrows it, so the job is denied with a
+    /// place instead, parks, and comes back just before that place.
+    pub reserve_within: Option<std::time::Duration>,
 }
 
 /// A job back from (a hop of) a quota wait.

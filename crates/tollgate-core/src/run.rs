@@ -57,6 +57,13 @@ impl Policy {
             .unwrap_or(self.default_retry_after)
             .max(self.min_retry_after)
     }
+
+    /// Whether a wait is too short to park without coming back late: such
+    /// a wait is held whatever the pod's hold cap. It occupies a delivery
+    /// slot for less than the smallest tier.
+    pub fn imminent(&self, wait: Duration) -> bool {
+        wait < self.tiers.shortest()
+    }
 }
 
 /// What a tenant's shadow quota would have decided for a granted send.
@@ -506,7 +513,7 @@ impl JobRun {
         let tier = policy
             .tiers
             .pick(remaining)
-            .unwrap_or_else(|| policy.tiers.all()[0]);
+            .unwrap_or_else(|| policy.tiers.shortest());
         Action::Park {
             until,
             reason,

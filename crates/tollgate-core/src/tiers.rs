@@ -42,6 +42,12 @@ impl DelayTiers {
         &self.0
     }
 
+    /// The smallest tier: a wait shorter than this cannot be parked without
+    /// coming back late.
+    pub fn shortest(&self) -> Duration {
+        self.0[0]
+    }
+
     /// The largest tier not longer than `remaining`.
     pub fn pick(&self, remaining: Duration) -> Option<Duration> {
         self.0.iter().rev().find(|&&t| t <= remaining).copied()

@@ -126,11 +126,12 @@ struct PermitArgs<'a> {
     returning_remaining_us: Option<u64>,
     returning_interval_us: Option<u64>,
     seen_cancel_ttl_ms: u64,
+    reserve_us: u64,
 }
 
 impl PermitArgs<'_> {
     #[cfg(test)]
-    const NAMES: [&'static str; 14] = [
+    const NAMES: [&'static str; 15] = [
         "default_count",
         "default_period_ms",
         "default_burst",
@@ -145,10 +146,11 @@ impl PermitArgs<'_> {
         "returning_remaining_us",
         "returning_interval_us",
         "seen_cancel_ttl_ms",
+        "reserve_us",
     ];
 
     /// In [`PermitArgs::NAMES`] order.
-    fn in_order(&self) -> [String; 14] {
+    fn in_order(&self) -> [String; 15] {
         let optional = |v: Option<u64>| v.map(|v| v.to_string()).unwrap_or_default();
         [
             self.default_count.to_string(),
@@ -165,6 +167,7 @@ impl PermitArgs<'_> {
             optional(self.returning_remaining_us),
             optional(self.returning_interval_us),
             self.seen_cancel_ttl_ms.to_string(),
+            self.reserve_us.to_string(),
         ]
     }
 }
@@ -363,6 +366,7 @@ impl RedisPermits {
             returning_remaining_us: req.returning.map(|r| micros(r.remaining)),
             returning_interval_us: req.returning.and_then(|r| r.interval).map(micros),
             seen_cancel_ttl_ms: s.sent_ttl.as_millis() as u64,
+            reserve_us: micros(req.reserve_within.unwrap_or(s.horizon).min(s.horizon)),
         };
         let mut invocation = self.permit.prepare_invoke();
         for key in PermitKeys::new(&self.keys, &req).in_order() {
@@ -580,6 +584,7 @@ mod contract {
                 key: &tollgate_core::IdempotencyKey::parse("k").unwrap(),
                 lease_token: "t",
                 returning: None,
+                reserve_within: None,
             },
         );
         assert!(keys.in_order().iter().all(|k| k.starts_with("p:")));

@@ -8,7 +8,8 @@ use tollgate_core::TenantId;
 
 /// Counts the deliveries of each tenant this pod holds in-process (waiting
 /// to be due, for a permit, or for a reserved slot), and refuses optional
-/// holds beyond `cap`.
+/// holds beyond `cap` (which may be 0: then only the forced ones, waits
+/// shorter than the smallest tier and reserved slots, are held).
 pub struct HoldGate {
     cap: usize,
     held: Arc<Mutex<HashMap<TenantId, usize>>>,
@@ -26,6 +27,13 @@ impl HoldGate {
             cap,
             held: Arc::default(),
         }
+    }
+
+    /// Whether `tenant` may have one more delivery held beyond the forced
+    /// ones.
+    pub fn has_room(&self, tenant: &TenantId) -> bool {
+        let held = self.held.lock().expect("not poisoned");
+        held.get(tenant).copied().unwrap_or(0) < self.cap
     }
 
     /// A slot for one more held delivery of `tenant`; `forced` slots are

@@ -707,6 +707,7 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
             key: &job.idempotency_key,
             lease_token: &lease_token,
             returning: None,
+            reserve_within: None,
         };
         let route = self.provider.route(job).unwrap_or("default");
         let mut now = self.clock.now();
@@ -732,8 +733,10 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
                     commitment.end();
                     // Held only while this pod holds few of the tenant's
                     // jobs, so one tenant's waits cannot fill the prefetch
-                    // and block the tenants behind it.
-                    let Some(_slot) = self.holds.hold(&job.tenant, false) else {
+                    // and block the tenants behind it; a wait too short to
+                    // park without going late is held whatever the cap.
+                    let imminent = self.policy.imminent(now.until(until));
+                    let Some(_slot) = self.holds.hold(&job.tenant, imminent) else {
                         action = run.park_instead(&self.policy, now, until, reason);
                         continue;
                     };
@@ -793,6 +796,11 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
                         ceiling.until_ready().await;
                     }
                     request.returning = run.returning(now);
+                    // A reservation is held until its slot: when the tenant
+                    // has no hold room left here, take only one that is
+                    // imminent, else be denied with a place and park.
+                    request.reserve_within =
+                        (!self.holds.has_room(&job.tenant)).then(|| self.policy.tiers.shortest());
                     let decision = match self.permits.acquire(request).await {
                         Ok(decision) => {
                             self.redis_health.up();

@@ -126,8 +126,11 @@ pub struct Config {
     /// How often a worker checks that the baseline's quotas are in Redis.
     pub quota_seed_interval_ms: u64,
     /// Deliveries of one tenant a pod holds in-process at once; beyond it,
-    /// short waits are parked too, so one tenant cannot fill the prefetch.
-    /// Unset: half of one work queue's share of the prefetch (at least 1).
+    /// short waits are parked too and reservations are taken only when
+    /// imminent, so one tenant cannot fill the prefetch. Unset: half of one
+    /// work queue's share of the prefetch, rounded down (0 when a queue has
+    /// a single delivery: then only waits shorter than the smallest tier
+    /// are held).
     pub tenant_hold_max: Option<usize>,
     /// Number of work queues tenants are hashed over.
     pub shards: u16,
@@ -314,9 +317,6 @@ impl Config {
         if !(0.0..=50.0).contains(&self.pacing_margin_pct) {
             bail!("pacing_margin_pct must be between 0 and 50");
         }
-        if self.tenant_hold_max == Some(0) {
-            bail!("tenant_hold_max must be at least 1");
-        }
         if self.prefetch == Some(0) {
             bail!("prefetch must be at least 1");
         }
@@ -401,7 +401,7 @@ impl Config {
     pub fn tenant_hold_max(&self) -> usize {
         self.tenant_hold_max.unwrap_or_else(|| {
             let share = usize::from(self.prefetch()).div_ceil(usize::from(self.shards.max(1)));
-            (share / 2).max(1)
+            share / 2
         })
     }
 
@@ -697,7 +697,11 @@ mod tests {
             prefetch: Some(4),
             ..Config::default()
         };
-        assert_eq!(tiny.tenant_hold_max(), 1, "never zero");
+        assert_eq!(
+            tiny.tenant_hold_max(),
+            0,
+            "one delivery per work queue: a tenant holds only imminent waits"
+        );
         let set = Config {
             tenant_hold_max: Some(3),
             ..Config::default()

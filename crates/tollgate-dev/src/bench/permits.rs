@@ -87,6 +87,7 @@ async fn permit_script(base: &Config, window: Duration) -> anyhow::Result<(f64, 
                     key: &key,
                     lease_token: "t",
                     returning: None,
+                    reserve_within: None,
                 };
                 if permits.acquire(request).await.is_ok() {
                     count.fetch_add(1, Ordering::Relaxed);

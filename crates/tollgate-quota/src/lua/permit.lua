@@ -2,7 +2,8 @@
 --   sent?  cancelled?  another copy in flight?  tenant paused?
 --   tenant bucket (GCRA)  +  route bucket (GCRA, when configured)  +  tenant concurrency
 -- All-or-nothing: a job denied by any part consumes nothing. A permit may be
--- reserved up to `horizon` ahead; the worker holds the job until then.
+-- reserved up to `reserve` ahead (at most `horizon`); the worker holds the job
+-- until then.
 --
 -- The keys and arguments, by name, bound below in this order. The Rust side
 -- names them the same way (`PermitKeys`, `PermitArgs`); a test checks both.
@@ -37,6 +38,7 @@
 -- ARGV[12] returning_remaining_us     a job back from a quota wait: microseconds still left to its place ("" = fresh job)
 -- ARGV[13] returning_interval_us      the spacing its place was computed with, microseconds ("" = unknown)
 -- ARGV[14] seen_cancel_ttl_ms         how long a seen cancellation is kept for other copies, milliseconds
+-- ARGV[15] reserve_us                 how far ahead this job may be reserved (<= horizon), microseconds
 --
 -- Reply {code, a, b, c}:
 --   {0, delay, shadow, send}    granted at now + delay = send (microseconds since the epoch, Redis
@@ -79,9 +81,12 @@ local now_override_us = ARGV[11]
 local returning_remaining_us = ARGV[12]
 local returning_interval_us = ARGV[13]
 local seen_cancel_ttl_ms = ARGV[14]
+local reserve_us = ARGV[15]
 
 local now = now_us(now_override_us)
 local horizon = tonumber(horizon_us)
+-- The pod narrows it for a job it would not hold that long.
+local reserve = math.min(tonumber(reserve_us) or horizon, horizon)
 local pacing = tonumber(pacing_factor)
 
 if redis.call('EXISTS', sent_key) == 1 then return {2} end
@@ -169,7 +174,7 @@ local function waiting_slots(waiting_key, tat, b, n)
   local next_at = at + b[1] * n
   redis.call('HSET', waiting_key, 'at', string.format('%.0f', next_at), 'iv', string.format('%.3f', b[1]))
   redis.call('PEXPIRE', waiting_key, math.ceil((next_at - now) / 1000) + 1000)
-  local retry = at - b[1] * (b[2] - 1) - now - horizon
+  local retry = at - b[1] * (b[2] - 1) - now - reserve
   if retry < 0 then retry = 0 end
   return retry
 end
@@ -182,18 +187,33 @@ if route then
   route_delay = delay_of(route_tat, route)
 end
 
+-- Places already handed out beyond the bucket's TAT: jobs parked for them.
+-- A fresh job queues behind them; taking their slots would send the jobs that
+-- waited longest to the back of the line when they come back for them.
+local remaining = tonumber(returning_remaining_us)
+local function line_ahead(waiting_key, tat, b)
+  if remaining then return false end
+  local v = redis.call('HMGET', waiting_key, 'at', 'iv')
+  local at = tonumber(v[1])
+  return at ~= nil and respace(at, tonumber(v[2]), b) > tat
+end
+local tenant_line = line_ahead(tenant_waiting_key, tenant_tat, tenant)
+local route_line = route and line_ahead(route_waiting_key, route_tat, route)
+
 local n = tonumber(denial_slots)
-if delay > horizon or route_delay > horizon then
-  -- Queue behind whichever bucket is further out; only that one's queue moves.
+if delay > reserve or route_delay > reserve or tenant_line or route_line then
+  -- Queue behind whichever bucket is further out (or has a line); only that
+  -- one's queue moves.
   local b, b_tat, b_waiting = tenant, tenant_tat, tenant_waiting_key
-  if route and route_delay > delay then b, b_tat, b_waiting = route, route_tat, route_waiting_key end
-  local remaining = tonumber(returning_remaining_us)
+  if route and (route_delay > delay or (route_line and not tenant_line)) then
+    b, b_tat, b_waiting = route, route_tat, route_waiting_key
+  end
   if remaining then
     -- Back from (a hop of) its wait: keep the place, re-spaced like the line
     -- if the quota changed since it was given. A place that has come and
     -- gone (someone else took the slot) goes to the back of the line.
     local place = respace(now + remaining, tonumber(returning_interval_us), b)
-    if place - now > horizon then
+    if place - now > reserve then
       return {1, math.ceil(place - now), math.floor(b[1]), 1, 1}
     end
   end
