@@ -330,3 +330,56 @@ async fn quiet_behind_a_backlog(setting: &str, tweak: impl FnOnce(&mut tollgate:
     worker.stop().await.unwrap();
     env.cleanup().await;
 }
+
+/// A tenant's jobs are served by priority within its quota: 30 low, then 30
+/// normal, then 5 high jobs published at once at 5/s. The high ones go out
+/// before the backlog published ahead of them, the normal ones before the
+/// low ones; every job once, never over the quota.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenants_jobs_go_out_high_then_normal_then_low() {
+    use tollgate_core::Priority::{High, Low, Normal};
+    let provider = FakeProvider::start(fake_provider::always_ok())
+        .await
+        .unwrap();
+    let env = TestEnv::new(&provider.url()).await;
+    env.set_quota("acme", "5/s", 1).await;
+    let worker = env.spawn_worker().await;
+    let mut class = std::collections::HashMap::new();
+    for (priority, count) in [(Low, 30), (Normal, 30), (High, 5)] {
+        for job in env.publish("acme", count, |a| a.priority = priority).await {
+            class.insert(job.id.as_str().to_owned(), priority);
+        }
+    }
+    wait_for("every job", Duration::from_secs(60), || async {
+        provider.received().len() >= 65
+    })
+    .await;
+    let received = provider.received();
+    let order: Vec<_> = received
+        .iter()
+        .map(|r| {
+            *class
+                .iter()
+                .find(|(id, _)| r.job_id.ends_with(id.as_str()))
+                .expect("one of ours")
+                .1
+        })
+        .collect();
+    let ids: HashSet<&str> = received.iter().map(|r| r.job_id.as_str()).collect();
+    assert_eq!(ids.len(), 65, "every job once");
+    let at = |p| order.iter().rposition(|&c| c == p).unwrap();
+    // Only what was reserved before the later jobs arrived may go ahead of
+    // them (the 500 ms horizon at 5/s: a few low jobs).
+    let before_last_high = at(High) + 1 - 5;
+    let low_before_last_normal = order[..at(Normal)].iter().filter(|&&c| c == Low).count();
+    eprintln!(
+        "priority: {before_last_high} jobs before the last high one, \
+         {low_before_last_normal} low ones before the last normal one: {order:?}"
+    );
+    assert!(before_last_high <= 5, "{order:?}");
+    assert!(low_before_last_normal <= 5, "{order:?}");
+    let times: Vec<Instant> = received.iter().map(|r| r.instant).collect();
+    assert!(max_in_window(&times, Duration::from_secs(1)) <= 5);
+    worker.stop().await.unwrap();
+    env.cleanup().await;
+}

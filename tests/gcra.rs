@@ -51,6 +51,7 @@ fn request<'a>(
         route,
         job_id: id,
         key,
+        priority: tollgate_core::Priority::Normal,
         lease_token: "t",
         returning: None,
         reserve_within: None,
@@ -293,4 +294,89 @@ fn a_narrowed_window_gives_a_place_instead_of_a_reservation() {
         matches!(decisions[4], Reply::Denied { retry_in, .. } if retry_in == Duration::from_millis(150)),
         "{decisions:?}"
     );
+}
+
+/// Priorities within a tenant's line, whatever order the jobs came in and
+/// whichever asks first at a tie: with the horizon taken, 5 low, then 5
+/// normal, then 5 high jobs are denied; each comes back when told (as a
+/// returning job) until granted. They are sent high, normal, low, and never
+/// closer than the quota allows.
+#[test]
+fn a_tenants_line_is_served_high_then_normal_then_low() {
+    use tollgate_core::Priority::{High, Low, Normal};
+    use tollgate_core::ports::Returning;
+    for tie_break_low_first in [true, false] {
+        // 10/s burst 1: slots 100 ms apart; the horizon is 250 ms.
+        let quota = Quota::new("10/s".parse().unwrap(), 1).unwrap();
+        let classes: Vec<_> = [Normal; 3]
+            .into_iter()
+            .chain([Low; 5])
+            .chain([Normal; 5])
+            .chain([High; 5])
+            .collect();
+        let sends = runtime().block_on(async {
+            let (permits, quotas) = stores(quota);
+            let (tenant, route) = (TenantId::parse("prop").unwrap(), Kind::default_kind());
+            let ids: Vec<JobId> = (0..classes.len())
+                .map(|i| JobId::parse(format!("j{i}")).unwrap())
+                .collect();
+            let keys: Vec<IdempotencyKey> = ids.iter().map(IdempotencyKey::from).collect();
+            // (when it asks next, µs after T0; job; its place interval).
+            // The first three take the horizon; the rest come a µs later.
+            let mut asks: Vec<(u64, usize, Option<Duration>)> = (0..classes.len())
+                .map(|i| (u64::from(i >= 3), i, None))
+                .collect();
+            let mut sends = Vec::new();
+            let mut steps = 0;
+            while !asks.is_empty() {
+                steps += 1;
+                assert!(steps < 2_000, "jobs keep asking: {asks:?}");
+                // The earliest ask; at a tie, the lowest (or highest) class first.
+                let rank = |i: usize| classes[i] as i32 * if tie_break_low_first { 1 } else { -1 };
+                let next = (0..asks.len())
+                    .min_by_key(|&k| (asks[k].0, rank(asks[k].1), asks[k].1))
+                    .unwrap();
+                let (at, i, interval) = asks.remove(next);
+                let req = PermitRequest {
+                    priority: classes[i],
+                    returning: interval.map(|interval| Returning {
+                        remaining: Duration::ZERO,
+                        interval: Some(interval),
+                    }),
+                    ..request(&tenant, &route, &ids[i], &keys[i])
+                };
+                match permits.decide(req, 1, Some(T0 + at)).await.unwrap() {
+                    Reply::Decision(PermitDecision::Granted { delay, .. }) => {
+                        sends.push((at + delay.as_micros() as u64, i));
+                    }
+                    Reply::Denied {
+                        retry_in, interval, ..
+                    } => asks.push((at + retry_in.as_micros() as u64, i, Some(interval))),
+                    other => panic!("{other:?}"),
+                }
+            }
+            quotas.purge_prefix().await.unwrap();
+            sends
+        });
+        let mut sends = sends;
+        sends.sort();
+        for w in sends.windows(2) {
+            assert!(
+                w[1].0 - w[0].0 >= 100_000,
+                "two sends closer than 100 ms: {sends:?}"
+            );
+        }
+        // And no slot is left empty while jobs wait: 18 sends in 18 slots.
+        assert_eq!(sends.last().unwrap().0, 1_700_000, "{sends:?}");
+        let order: Vec<_> = sends.iter().skip(3).map(|&(_, i)| classes[i]).collect();
+        let expected: Vec<_> = [High; 5]
+            .into_iter()
+            .chain([Normal; 5])
+            .chain([Low; 5])
+            .collect();
+        assert_eq!(
+            order, expected,
+            "tie break low first: {tie_break_low_first}: {sends:?}"
+        );
+    }
 }

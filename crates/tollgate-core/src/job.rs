@@ -21,8 +21,40 @@ pub struct Job {
     pub due_at: Option<UnixMillis>,
     pub expires_at: Option<UnixMillis>,
     pub idempotency_key: IdempotencyKey,
+    /// Served in this order within the tenant's quota.
+    pub priority: Priority,
     /// Opaque JSON forwarded byte for byte to the provider. Never logged.
     pub payload: Box<RawValue>,
+}
+
+/// A job's class within its tenant's quota: when the tenant has a line of
+/// jobs waiting for permits, `high` goes before `normal`, and `normal`
+/// before `low`. Between tenants it changes nothing.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Priority {
+    Low,
+    #[default]
+    Normal,
+    High,
+}
+
+impl Priority {
+    pub const ALL: [Self; 3] = [Self::High, Self::Normal, Self::Low];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Low => "low",
+            Self::Normal => "normal",
+            Self::High => "high",
+        }
+    }
+
+    pub fn parse(s: &str) -> Result<Self, Malformed> {
+        Self::ALL
+            .into_iter()
+            .find(|p| p.as_str() == s)
+            .ok_or_else(|| Malformed::Priority(s.chars().take(64).collect()))
+    }
 }
 
 /// Limits applied before and while decoding a message body.
@@ -56,6 +88,8 @@ pub enum Malformed {
     Id(#[from] IdError),
     #[error("invalid {field}: {reason}")]
     Time { field: &'static str, reason: String },
+    #[error("unknown priority {0:?}: it is high, normal or low")]
+    Priority(String),
     #[error("expires_at is before due_at")]
     ExpiresBeforeDue,
     #[error("unknown kind {0:?}: no provider route is configured for it")]
@@ -79,6 +113,8 @@ struct Wire<'a> {
     expires_at: Option<std::borrow::Cow<'a, str>>,
     #[serde(default, borrow, skip_serializing_if = "Option::is_none")]
     idempotency_key: Option<std::borrow::Cow<'a, str>>,
+    #[serde(default, borrow, skip_serializing_if = "Option::is_none")]
+    priority: Option<std::borrow::Cow<'a, str>>,
     #[serde(default, borrow, skip_serializing_if = "Option::is_none")]
     payload: Option<&'a RawValue>,
 }
@@ -115,6 +151,10 @@ pub fn decode(body: &[u8], limits: &Limits) -> Result<Job, Malformed> {
         Some(k) => IdempotencyKey::parse(k.as_ref())?,
         None => IdempotencyKey::from(&id),
     };
+    let priority = match wire.priority {
+        Some(p) => Priority::parse(p.as_ref())?,
+        None => Priority::Normal,
+    };
     let payload = match wire.payload {
         Some(raw) => raw.to_owned(),
         None => RawValue::from_string("{}".to_owned()).expect("literal is valid JSON"),
@@ -126,6 +166,7 @@ pub fn decode(body: &[u8], limits: &Limits) -> Result<Job, Malformed> {
         due_at,
         expires_at,
         idempotency_key,
+        priority,
         payload,
     })
 }
@@ -180,6 +221,7 @@ impl Job {
             expires_at: exp.as_deref().map(Into::into),
             idempotency_key: (self.idempotency_key.as_str() != self.id.as_str())
                 .then(|| self.idempotency_key.as_str().into()),
+            priority: (self.priority != Priority::Normal).then(|| self.priority.as_str().into()),
             payload: Some(&self.payload),
         };
         serde_json::to_vec(&wire).expect("a job always serializes")
@@ -228,8 +270,9 @@ mod tests {
     fn decodes_a_full_job() {
         let body = br#"{"id":"job-123","tenant":"acme","kind":"email",
             "due_at":"2026-12-01T09:00:00Z","expires_at":"2026-12-01T10:00:00Z",
-            "idempotency_key":"renewal-acme-2026-12","payload":{"to":"x","n":[1,2]}}"#;
+            "idempotency_key":"renewal-acme-2026-12","priority":"high","payload":{"to":"x","n":[1,2]}}"#;
         let job = decode(body, &limits()).unwrap();
+        assert_eq!(job.priority, Priority::High);
         assert_eq!(job.id.as_str(), "job-123");
         assert_eq!(job.tenant.as_str(), "acme");
         assert_eq!(job.kind.as_str(), "email");
@@ -246,6 +289,32 @@ mod tests {
         assert_eq!(job.idempotency_key.as_str(), "j1");
         assert_eq!(job.payload.get(), "{}");
         assert_eq!(job.due_at, None);
+        assert_eq!(job.priority, Priority::Normal);
+    }
+
+    #[test]
+    fn an_unknown_priority_is_malformed_and_every_class_round_trips() {
+        for bad in [r#""urgent""#, r#""HIGH""#, "1", "[]"] {
+            let body = format!(r#"{{"id":"j1","tenant":"acme","priority":{bad}}}"#);
+            assert!(decode(body.as_bytes(), &limits()).is_err(), "{bad}");
+        }
+        let err = decode(
+            br#"{"id":"j1","tenant":"acme","priority":"urgent"}"#,
+            &limits(),
+        )
+        .unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            r#"unknown priority "urgent": it is high, normal or low"#
+        );
+        for p in Priority::ALL {
+            let body = format!(
+                r#"{{"id":"j1","tenant":"acme","priority":"{}"}}"#,
+                p.as_str()
+            );
+            let job = decode(body.as_bytes(), &limits()).unwrap();
+            assert_eq!(decode(&job.to_json(), &limits()).unwrap().priority, p);
+        }
     }
 
     #[test]

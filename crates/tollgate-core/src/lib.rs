@@ -20,7 +20,7 @@ pub mod tiers;
 
 pub use clock::{Clock, UnixMillis};
 pub use ids::{IdempotencyKey, JobId, Kind, TenantId};
-pub use job::{Job, Malformed, Progress};
+pub use job::{Job, Malformed, Priority, Progress};
 pub use outcome::{DeadReason, ParkReason, ProviderOutcome};
 pub use quota::{Quota, Rate, default_burst};
 pub use run::{Action, Completion, Eligibility, JobRun, PermitDecision, Policy, Shadow};

@@ -21,6 +21,8 @@ pub struct PermitRequest<'a> {
     /// Stored in the sent record, so "who sent this key" has an answer.
     pub job_id: &'a JobId,
     pub key: &'a IdempotencyKey,
+    /// The job's class within its tenant's line.
+    pub priority: crate::Priority,
     pub lease_token: &'a str,
     /// The job is back from a quota wait: decided by the fleet, never from
     /// a pod's local cache, and it keeps its place if still denied.

@@ -488,6 +488,11 @@ impl JobRun {
             ParkReason::Quota => remaining.min((remaining / 2).max(policy.quota_recheck)),
             _ => remaining,
         };
+        if reason == ParkReason::Paused {
+            // Parked however short the recheck: a pause may last hours,
+            // and nothing of it should sit in a pod.
+            return self.park_instead(policy, now, until, reason);
+        }
         match policy.tiers.pick(hop) {
             Some(tier) if remaining > policy.hold_max => Action::Park {
                 until,
@@ -520,6 +525,14 @@ impl JobRun {
             tier,
             hop: self.is_hop(until, reason),
         }
+    }
+
+    /// Whether a wait is a place in line this job has just been given (a
+    /// quota wait it did not come back for). A pod with no room to hold
+    /// the tenant's jobs parks such a wait however short, so a backlog's
+    /// first pass moves on and the tenants behind it are reached.
+    pub fn is_new_place(&self, until: UnixMillis, reason: ParkReason) -> bool {
+        reason == ParkReason::Quota && !self.is_hop(until, reason)
     }
 
     fn is_hop(&self, until: UnixMillis, reason: ParkReason) -> bool {
@@ -935,6 +948,19 @@ mod tests {
             }
         ));
         assert_eq!(run.attempt(), 1);
+        // However short the recheck: a pause is never held in a pod.
+        let mut run = JobRun::new(&job(""), Progress::default(), T0);
+        run.next(&p, T0);
+        let short = PermitDecision::Paused {
+            retry_in: Duration::from_millis(500),
+        };
+        assert!(matches!(
+            run.on_permit(&p, short, T0, 0.5),
+            Action::Park {
+                reason: ParkReason::Paused,
+                ..
+            }
+        ));
         let mut run = JobRun::new(&job(""), Progress::default(), T0);
         run.next(&p, T0);
         assert_eq!(

@@ -52,6 +52,18 @@ impl Keys {
         self.tenant_key("waiting", tenant)
     }
 
+    /// The tenant's line of denied high-priority jobs, served before
+    /// [`Keys::waiting`].
+    pub fn waiting_high(&self, tenant: &TenantId) -> String {
+        self.tenant_key("waiting-high", tenant)
+    }
+
+    /// The tenant's line of denied low-priority jobs, served after
+    /// [`Keys::waiting`].
+    pub fn waiting_low(&self, tenant: &TenantId) -> String {
+        self.tenant_key("waiting-low", tenant)
+    }
+
     /// Set after a provider 429: no send before this instant.
     pub fn penalty(&self, tenant: &TenantId) -> String {
         self.tenant_key("penalty", tenant)

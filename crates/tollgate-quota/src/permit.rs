@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use redis::Script;
 use tollgate_core::ports::{Penalty, PermitRequest, PermitStore, ThrottleScope};
-use tollgate_core::{Kind, PermitDecision, Quota, Shadow, TenantId};
+use tollgate_core::{Kind, PermitDecision, Priority, Quota, Shadow, TenantId};
 
 use crate::{Keys, QuotaError, Redis};
 
@@ -45,11 +45,13 @@ struct PermitKeys {
     route_tat_key: String,
     route_waiting_key: String,
     route_penalty_key: String,
+    tenant_waiting_high_key: String,
+    tenant_waiting_low_key: String,
 }
 
 impl PermitKeys {
     #[cfg(test)]
-    const NAMES: [&'static str; 15] = [
+    const NAMES: [&'static str; 17] = [
         "tenant_quota_key",
         "tenant_tat_key",
         "tenant_waiting_key",
@@ -65,6 +67,8 @@ impl PermitKeys {
         "route_tat_key",
         "route_waiting_key",
         "route_penalty_key",
+        "tenant_waiting_high_key",
+        "tenant_waiting_low_key",
     ];
 
     fn new(k: &Keys, req: &PermitRequest<'_>) -> Self {
@@ -84,11 +88,13 @@ impl PermitKeys {
             route_tat_key: k.route_tat(req.route),
             route_waiting_key: k.route_waiting(req.route),
             route_penalty_key: k.route_penalty(req.route),
+            tenant_waiting_high_key: k.waiting_high(req.tenant),
+            tenant_waiting_low_key: k.waiting_low(req.tenant),
         }
     }
 
     /// In [`PermitKeys::NAMES`] order.
-    fn in_order(self) -> [String; 15] {
+    fn in_order(self) -> [String; 17] {
         [
             self.tenant_quota_key,
             self.tenant_tat_key,
@@ -105,6 +111,8 @@ impl PermitKeys {
             self.route_tat_key,
             self.route_waiting_key,
             self.route_penalty_key,
+            self.tenant_waiting_high_key,
+            self.tenant_waiting_low_key,
         ]
     }
 }
@@ -127,11 +135,12 @@ struct PermitArgs<'a> {
     returning_interval_us: Option<u64>,
     seen_cancel_ttl_ms: u64,
     reserve_us: u64,
+    priority: Priority,
 }
 
 impl PermitArgs<'_> {
     #[cfg(test)]
-    const NAMES: [&'static str; 15] = [
+    const NAMES: [&'static str; 16] = [
         "default_count",
         "default_period_ms",
         "default_burst",
@@ -147,10 +156,11 @@ impl PermitArgs<'_> {
         "returning_interval_us",
         "seen_cancel_ttl_ms",
         "reserve_us",
+        "priority",
     ];
 
     /// In [`PermitArgs::NAMES`] order.
-    fn in_order(&self) -> [String; 15] {
+    fn in_order(&self) -> [String; 16] {
         let optional = |v: Option<u64>| v.map(|v| v.to_string()).unwrap_or_default();
         [
             self.default_count.to_string(),
@@ -168,6 +178,7 @@ impl PermitArgs<'_> {
             optional(self.returning_interval_us),
             self.seen_cancel_ttl_ms.to_string(),
             self.reserve_us.to_string(),
+            self.priority.as_str().to_owned(),
         ]
     }
 }
@@ -304,10 +315,13 @@ pub struct RedisPermits {
     settings: PermitSettings,
     permit: Script,
     complete: Script,
-    local: Mutex<HashMap<(TenantId, Kind), Arc<KeyState>>>,
+    local: Mutex<HashMap<LocalKey, Arc<KeyState>>>,
 }
 
-/// One (tenant, route) in this pod: what it knows, and how many fresh
+/// What the pod's cache is kept by: each priority class has its own line.
+type LocalKey = (TenantId, Kind, Priority);
+
+/// One (tenant, route, priority) in this pod: what it knows, and how many fresh
 /// requests are queued for it.
 #[derive(Default)]
 struct KeyState {
@@ -367,6 +381,7 @@ impl RedisPermits {
             returning_interval_us: req.returning.and_then(|r| r.interval).map(micros),
             seen_cancel_ttl_ms: s.sent_ttl.as_millis() as u64,
             reserve_us: micros(req.reserve_within.unwrap_or(s.horizon).min(s.horizon)),
+            priority: req.priority,
         };
         let mut invocation = self.permit.prepare_invoke();
         for key in PermitKeys::new(&self.keys, &req).in_order() {
@@ -447,13 +462,13 @@ impl RedisPermits {
             .map_err(|e| self.redis.classify(e))
     }
 
-    fn state(&self, key: &(TenantId, Kind)) -> Arc<KeyState> {
+    fn state(&self, key: &LocalKey) -> Arc<KeyState> {
         let mut all = self.local.lock().expect("not poisoned");
         Arc::clone(all.entry(key.clone()).or_default())
     }
 
     /// Forgets a key with nothing worth remembering (bounded memory).
-    fn tidy(&self, key: &(TenantId, Kind), local: &Local) {
+    fn tidy(&self, key: &LocalKey, local: &Local) {
         if local.is_empty() {
             self.local.lock().expect("not poisoned").remove(key);
         }
@@ -479,7 +494,7 @@ impl PermitStore for RedisPermits {
     type Error = QuotaError;
 
     async fn acquire(&self, req: PermitRequest<'_>) -> Result<PermitDecision, QuotaError> {
-        let key = (req.tenant.clone(), req.route.clone());
+        let key = (req.tenant.clone(), req.route.clone(), req.priority);
         let ttl = self.settings.denial_cache_ttl;
         let state = self.state(&key);
         if req.returning.is_some() {
@@ -582,6 +597,7 @@ mod contract {
                 route: &Kind::default_kind(),
                 job_id: &tollgate_core::JobId::parse("j").unwrap(),
                 key: &tollgate_core::IdempotencyKey::parse("k").unwrap(),
+                priority: Priority::Normal,
                 lease_token: "t",
                 returning: None,
                 reserve_within: None,

@@ -238,6 +238,11 @@ enum Handback {
 /// from being sent meanwhile.
 const RECORD_RETRY_FOR: Duration = Duration::from_secs(4);
 
+/// How far ahead a pod with no hold room for a tenant reserves the slot of
+/// a job back for its place: enough for the job to be a few ms early or
+/// late, short enough that it occupies its delivery slot only briefly.
+const RETURN_WINDOW: Duration = Duration::from_millis(10);
+
 /// Reconnect backoff: 0.25 s doubling to 3 s, jittered to 50–100 %, so a
 /// worker consumes again within about 3 s of the broker's return and a
 /// fleet does not reconnect in step.
@@ -705,6 +710,7 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
             route: &job.kind,
             job_id: &job.id,
             key: &job.idempotency_key,
+            priority: job.priority,
             lease_token: &lease_token,
             returning: None,
             reserve_within: None,
@@ -734,9 +740,11 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
                     // Held only while this pod holds few of the tenant's
                     // jobs, so one tenant's waits cannot fill the prefetch
                     // and block the tenants behind it; a wait too short to
-                    // park without going late is held whatever the cap.
-                    let imminent = self.policy.imminent(now.until(until));
-                    let Some(_slot) = self.holds.hold(&job.tenant, imminent) else {
+                    // park without going late is held whatever the cap,
+                    // unless it is a place in line just given.
+                    let forced =
+                        self.policy.imminent(now.until(until)) && !run.is_new_place(until, reason);
+                    let Some(_slot) = self.holds.hold(&job.tenant, forced) else {
                         action = run.park_instead(&self.policy, now, until, reason);
                         continue;
                     };
@@ -797,10 +805,16 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
                     }
                     request.returning = run.returning(now);
                     // A reservation is held until its slot: when the tenant
-                    // has no hold room left here, take only one that is
-                    // imminent, else be denied with a place and park.
-                    request.reserve_within =
-                        (!self.holds.has_room(&job.tenant)).then(|| self.policy.tiers.shortest());
+                    // has no hold room left here, a new job takes only a
+                    // slot free now (else a place in line, and it parks),
+                    // and a job back for its place only its own slot.
+                    request.reserve_within = (!self.holds.has_room(&job.tenant)).then(|| {
+                        if request.returning.is_some() {
+                            RETURN_WINDOW
+                        } else {
+                            Duration::ZERO
+                        }
+                    });
                     let decision = match self.permits.acquire(request).await {
                         Ok(decision) => {
                             self.redis_health.up();

@@ -12,7 +12,7 @@ use futures::stream::FuturesUnordered;
 use serde_json::value::RawValue;
 use tollgate_amqp::{Broker, headers};
 use tollgate_core::{
-    Clock, DeadReason, IdempotencyKey, Job, JobId, Kind, Quota, TenantId, UnixMillis,
+    Clock, DeadReason, IdempotencyKey, Job, JobId, Kind, Priority, Quota, TenantId, UnixMillis,
 };
 use tollgate_quota::{Actor, Cancel, Change, Keys, QuotaStore, Redis, Settings, Target};
 
@@ -100,6 +100,9 @@ pub struct PublishArgs {
     /// Idempotency key for every published job; default: the job id.
     #[arg(long)]
     pub idempotency_key: Option<String>,
+    /// high, normal or low: the order within the tenant's quota.
+    #[arg(long, default_value = "normal", value_parser = parse_priority)]
+    pub priority: Priority,
     /// While RabbitMQ is unreachable, keep retrying this long before failing.
     #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
     pub retry_for: Duration,
@@ -303,6 +306,7 @@ impl PublishArgs {
             payload: "{}".into(),
             id: None,
             idempotency_key: None,
+            priority: Priority::Normal,
             retry_for: Duration::from_secs(60),
         }
     }
@@ -341,6 +345,7 @@ pub fn build_jobs(args: &PublishArgs, now: UnixMillis) -> anyhow::Result<Vec<Job
                 kind: kind.clone(),
                 due_at,
                 expires_at,
+                priority: args.priority,
                 payload: payload.clone(),
             })
         })
@@ -522,6 +527,12 @@ pub async fn set_tenant_quota(
 pub const BASELINE_DELETE_NOTE: &str = "{target} is in the quota baseline: this delete stands \
     (workers do not seed it back) until the baseline's entry for it changes, \
     or `tollgate quota seed --overwrite` resets to it";
+
+/// Parses `--priority` (the same words, and the same error, as a message's
+/// `priority` field).
+fn parse_priority(s: &str) -> Result<Priority, String> {
+    Priority::parse(s).map_err(|e| e.to_string())
+}
 
 /// Parses `--rate` and `--burst` into a quota.
 fn parse_quota(rate: &str, burst: u32) -> anyhow::Result<Quota> {

@@ -23,6 +23,8 @@
 -- KEYS[13] route_tat_key              the route's TAT
 -- KEYS[14] route_waiting_key          the route's line of waiting jobs
 -- KEYS[15] route_penalty_key          provider 429 on a route whose 429s are account-wide
+-- KEYS[16] tenant_waiting_high_key    the tenant's line of waiting high-priority jobs
+-- KEYS[17] tenant_waiting_low_key     the tenant's line of waiting low-priority jobs
 --
 -- ARGV[1]  default_count              default quota from config: count
 -- ARGV[2]  default_period_ms          default quota from config: period, milliseconds
@@ -39,6 +41,7 @@
 -- ARGV[13] returning_interval_us      the spacing its place was computed with, microseconds ("" = unknown)
 -- ARGV[14] seen_cancel_ttl_ms         how long a seen cancellation is kept for other copies, milliseconds
 -- ARGV[15] reserve_us                 how far ahead this job may be reserved (<= horizon), microseconds
+-- ARGV[16] priority                   the job's class: high, normal or low
 --
 -- Reply {code, a, b, c}:
 --   {0, delay, shadow, send}    granted at now + delay = send (microseconds since the epoch, Redis
@@ -67,6 +70,8 @@ local route_quota_key = KEYS[12]
 local route_tat_key = KEYS[13]
 local route_waiting_key = KEYS[14]
 local route_penalty_key = KEYS[15]
+local tenant_waiting_high_key = KEYS[16]
+local tenant_waiting_low_key = KEYS[17]
 local default_count = ARGV[1]
 local default_period_ms = ARGV[2]
 local default_burst = ARGV[3]
@@ -82,6 +87,7 @@ local returning_remaining_us = ARGV[12]
 local returning_interval_us = ARGV[13]
 local seen_cancel_ttl_ms = ARGV[14]
 local reserve_us = ARGV[15]
+local priority = ARGV[16]
 
 local now = now_us(now_override_us)
 local horizon = tonumber(horizon_us)
@@ -161,19 +167,43 @@ local function delay_of(tat, b)
   return d
 end
 
--- Virtual slots for a denied job: n slots in the bucket's queue of waiting
--- jobs, one interval apart, starting at the first slot after tat (and not
--- before the penalty ends).
-local function waiting_slots(waiting_key, tat, b, n)
+-- The next free place of a line (re-spaced if the quota changed), or nil.
+local function line_at(waiting_key, b)
   local v = redis.call('HMGET', waiting_key, 'at', 'iv')
   local at = tonumber(v[1])
-  if at then at = respace(at, tonumber(v[2]), b) end  -- the quota changed: re-space the line
-  if not at or at < tat then at = tat end
-  local floor = penalty + b[1] * (b[2] - 1)
-  if at < floor then at = floor end
-  local next_at = at + b[1] * n
+  if at then at = respace(at, tonumber(v[2]), b) end
+  return at
+end
+
+-- Moves a line's next free place to `next_at`.
+local function push_line(waiting_key, next_at, b)
   redis.call('HSET', waiting_key, 'at', string.format('%.0f', next_at), 'iv', string.format('%.3f', b[1]))
   redis.call('PEXPIRE', waiting_key, math.ceil((next_at - now) / 1000) + 1000)
+end
+
+-- n slots at `at` went to a class served before the lines after `own`: those
+-- with places from there on move back by as many slots (their jobs, finding
+-- a slot taken, move to the next free one when they come back).
+local function make_room(keys, own, at, b, n)
+  for i = own + 1, #keys do
+    local line = line_at(keys[i], b)
+    if line and line > at then push_line(keys[i], line + b[1] * n, b) end
+  end
+end
+
+-- Virtual slots for a denied job: n slots in its line (`keys[own]`), one
+-- interval apart, after the places of the lines served before it and its
+-- own, after tat, and not before the penalty ends.
+local function waiting_slots(keys, own, tat, b, n)
+  local at = tat
+  for i = 1, own do
+    local line = line_at(keys[i], b)
+    if line and line > at then at = line end
+  end
+  local floor = penalty + b[1] * (b[2] - 1)
+  if at < floor then at = floor end
+  push_line(keys[own], at + b[1] * n, b)
+  make_room(keys, own, at, b, n)
   local retry = at - b[1] * (b[2] - 1) - now - reserve
   if retry < 0 then retry = 0 end
   return retry
@@ -187,37 +217,54 @@ if route then
   route_delay = delay_of(route_tat, route)
 end
 
--- Places already handed out beyond the bucket's TAT: jobs parked for them.
--- A fresh job queues behind them; taking their slots would send the jobs that
--- waited longest to the back of the line when they come back for them.
+-- The tenant's lines, in the order they are served: high, normal, low.
+local lines = {tenant_waiting_high_key, tenant_waiting_key, tenant_waiting_low_key}
+local rank = ({high = 1, normal = 2, low = 3})[priority] or 2
 local remaining = tonumber(returning_remaining_us)
-local function line_ahead(waiting_key, tat, b)
-  if remaining then return false end
-  local v = redis.call('HMGET', waiting_key, 'at', 'iv')
-  local at = tonumber(v[1])
-  return at ~= nil and respace(at, tonumber(v[2]), b) > tat
+
+-- Places already handed out beyond a bucket's TAT are jobs parked for them.
+-- A fresh job waits behind the places of its own class and of the classes
+-- served before it; a job back for its place, behind those of the classes
+-- served before it only. Returns the furthest such place, if beyond tat.
+local function line_ahead(keys, last, tat, b)
+  local furthest = nil
+  for i = 1, last do
+    local at = line_at(keys[i], b)
+    if at and at > tat and (not furthest or at > furthest) then furthest = at end
+  end
+  return furthest
 end
-local tenant_line = line_ahead(tenant_waiting_key, tenant_tat, tenant)
-local route_line = route and line_ahead(route_waiting_key, route_tat, route)
+local tenant_line = line_ahead(lines, remaining and rank - 1 or rank, tenant_tat, tenant)
+local route_line = nil
+if route and not remaining then route_line = line_ahead({route_waiting_key}, 1, route_tat, route) end
 
 local n = tonumber(denial_slots)
 if delay > reserve or route_delay > reserve or tenant_line or route_line then
   -- Queue behind whichever bucket is further out (or has a line); only that
   -- one's queue moves.
-  local b, b_tat, b_waiting = tenant, tenant_tat, tenant_waiting_key
+  local b, b_tat, b_lines, b_rank, b_ahead = tenant, tenant_tat, lines, rank, tenant_line
   if route and (route_delay > delay or (route_line and not tenant_line)) then
-    b, b_tat, b_waiting = route, route_tat, route_waiting_key
+    b, b_tat, b_lines, b_rank, b_ahead = route, route_tat, {route_waiting_key}, 1, route_line
   end
   if remaining then
     -- Back from (a hop of) its wait: keep the place, re-spaced like the line
-    -- if the quota changed since it was given. A place that has come and
-    -- gone (someone else took the slot) goes to the back of the line.
+    -- if the quota changed since it was given. A place that has come while
+    -- its slot went to another job (a higher priority, a pod's reservation)
+    -- moves to the front: the bucket's next free slot after the places of
+    -- the classes served first, not the back of the line, so the job that
+    -- waited longest is not the one that pays.
+    -- (`place` is when to come back: `reserve` before the slot itself.)
     local place = respace(now + remaining, tonumber(returning_interval_us), b)
-    if place - now > reserve then
-      return {1, math.ceil(place - now), math.floor(b[1]), 1, 1}
+    if place - now <= reserve then
+      local front = math.max(b_tat, b_ahead or 0)
+      place = math.max(front - b[1] * (b[2] - 1), penalty) - reserve
+      -- Waiting behind places whose jobs have not come for them yet: look
+      -- again a slot later, never at once (their places pass with time).
+      if place <= now then place = now + b[1] end
     end
+    return {1, math.ceil(math.max(place - now, 0)), math.floor(b[1]), 1, 1}
   end
-  return {1, math.ceil(waiting_slots(b_waiting, b_tat, b, n)), math.floor(b[1]), n, 0}
+  return {1, math.ceil(waiting_slots(b_lines, b_rank, b_tat, b, n)), math.floor(b[1]), n, 0}
 end
 
 local concurrency = tonumber(q[4])
@@ -238,6 +285,8 @@ local function advance(tat_key, tat, b)
   redis.call('SET', tat_key, string.format('%d', next_tat), 'PX', math.ceil((next_tat - now) / 1000) + 1000)
 end
 advance(tenant_tat_key, tenant_tat, tenant)
+-- A fresh job took a slot ahead of the places of the classes served after it.
+if not remaining then make_room(lines, rank, tenant_tat, tenant, 1) end
 if route then advance(route_tat_key, route_tat, route) end
 
 local lease_ms = tonumber(lease_ttl_ms) + math.ceil(delay / 1000)
