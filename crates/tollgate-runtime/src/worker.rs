@@ -238,11 +238,6 @@ enum Handback {
 /// from being sent meanwhile.
 const RECORD_RETRY_FOR: Duration = Duration::from_secs(4);
 
-/// How far ahead a pod with no hold room for a tenant reserves the slot of
-/// a job back for its place: enough for the job to be a few ms early or
-/// late, short enough that it occupies its delivery slot only briefly.
-const RETURN_WINDOW: Duration = Duration::from_millis(10);
-
 /// Reconnect backoff: 0.25 s doubling to 3 s, jittered to 50–100 %, so a
 /// worker consumes again within about 3 s of the broker's return and a
 /// fleet does not reconnect in step.
@@ -805,16 +800,11 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
                     }
                     request.returning = run.returning(now);
                     // A reservation is held until its slot: when the tenant
-                    // has no hold room left here, a new job takes only a
-                    // slot free now (else a place in line, and it parks),
-                    // and a job back for its place only its own slot.
-                    request.reserve_within = (!self.holds.has_room(&job.tenant)).then(|| {
-                        if request.returning.is_some() {
-                            RETURN_WINDOW
-                        } else {
-                            Duration::ZERO
-                        }
-                    });
+                    // has no hold room left here, take only one within the
+                    // smallest tier (a wait that could not be parked
+                    // anyway), else be given a place in line and park.
+                    request.reserve_within =
+                        (!self.holds.has_room(&job.tenant)).then(|| self.policy.tiers.shortest());
                     let decision = match self.permits.acquire(request).await {
                         Ok(decision) => {
                             self.redis_health.up();
