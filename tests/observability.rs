@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use tollgate_tests::{FakeProvider, Received, Reply, TestEnv, WorkerProcess, free_port, wait_for};
 
-/// Every family and its label names, as DESIGN.md and the dashboards use them.
+/// Every family and its label names, as the README and the dashboards name them.
 fn pinned() -> BTreeMap<&'static str, Vec<&'static str>> {
     BTreeMap::from([
         ("tollgate_queue_age_seconds", vec!["le", "tenant"]),

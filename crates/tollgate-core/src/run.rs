@@ -483,16 +483,16 @@ impl JobRun {
         until: UnixMillis,
         reason: ParkReason,
     ) -> Action {
-        let remaining = now.until(until);
-        let hop = match reason {
-            ParkReason::Quota => remaining.min((remaining / 2).max(policy.quota_recheck)),
-            _ => remaining,
-        };
         if reason == ParkReason::Paused {
             // Parked however short the recheck: a pause may last hours,
             // and nothing of it should sit in a pod.
             return self.park_instead(policy, now, until, reason);
         }
+        let remaining = now.until(until);
+        let hop = match reason {
+            ParkReason::Quota => remaining.min((remaining / 2).max(policy.quota_recheck)),
+            _ => remaining,
+        };
         match policy.tiers.pick(hop) {
             Some(tier) if remaining > policy.hold_max => Action::Park {
                 until,

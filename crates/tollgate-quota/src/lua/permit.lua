@@ -168,10 +168,15 @@ local function delay_of(tat, b)
 end
 
 -- The next free place of a line (re-spaced if the quota changed), or nil.
+-- Each line is read from Redis once per decision.
+local line_cache = {}
 local function line_at(waiting_key, b)
+  local cached = line_cache[waiting_key]
+  if cached ~= nil then return cached or nil end
   local v = redis.call('HMGET', waiting_key, 'at', 'iv')
   local at = tonumber(v[1])
   if at then at = respace(at, tonumber(v[2]), b) end
+  line_cache[waiting_key] = at or false
   return at
 end
 
@@ -179,6 +184,7 @@ end
 local function push_line(waiting_key, next_at, b)
   redis.call('HSET', waiting_key, 'at', string.format('%.0f', next_at), 'iv', string.format('%.3f', b[1]))
   redis.call('PEXPIRE', waiting_key, math.ceil((next_at - now) / 1000) + 1000)
+  line_cache[waiting_key] = next_at
 end
 
 -- n slots at `at` went to a class served before the lines after `own`: those
