@@ -74,6 +74,32 @@ async fn the_binary_runs_a_worker_and_every_verb_works() {
         .output()
         .unwrap();
     assert_eq!(bad.status.code(), Some(64), "an empty --actor is bad usage");
+    // A weight alone keeps the quota; a rate without --weight clears it.
+    let out = tollgate(&env, &["quota", "set", "acme", "--weight", "3"]);
+    assert_eq!(
+        out.trim(),
+        "tenant:acme: 50/s burst 2 → 50/s burst 2, weight 3"
+    );
+    let bad = Command::new(tollgate_bin())
+        .args(["quota", "set", "--route", "email", "--weight", "2"])
+        .env("TOLLGATE_PREFIX", &env.config.prefix)
+        .output()
+        .unwrap();
+    assert!(!bad.status.success());
+    assert!(
+        String::from_utf8_lossy(&bad.stderr).contains("--weight applies to tenants"),
+        "{bad:?}"
+    );
+    let bad = Command::new(tollgate_bin())
+        .args(["quota", "set", "acme", "--weight", "0"])
+        .env("TOLLGATE_PREFIX", &env.config.prefix)
+        .output()
+        .unwrap();
+    assert_eq!(bad.status.code(), Some(2), "clap's usage error");
+    assert!(
+        String::from_utf8_lossy(&bad.stderr).contains("weight 0 is not between 1 and 1000"),
+        "{bad:?}"
+    );
     let out = tollgate(&env, &["quota", "get", "nobody"]);
     assert!(
         out.contains("the default 10/s burst 1 (from config) applies"),

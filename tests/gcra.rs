@@ -120,6 +120,80 @@ async fn granted_sends_around(
     sends
 }
 
+/// One job of a simulated run: its tenant, class, and when it first asks
+/// (µs after T0).
+struct Simulated {
+    tenant: TenantId,
+    priority: tollgate_core::Priority,
+    arrives: u64,
+}
+
+/// Runs jobs through the permit script as workers would, with injected
+/// time: each asks when it arrives; a denied job waits in hops of the
+/// default delay tiers (the largest not longer than what is left, the rest
+/// held) and asks again after each (as a returning job, with the time left
+/// and the spacing it was given), until it is granted. The
+/// earliest ask goes first; at a tie, the lowest `tie(job)`, then the lowest
+/// index. Returns (send time µs after T0, job), in the order granted.
+async fn simulate(
+    permits: &RedisPermits,
+    route: &Kind,
+    jobs: &[Simulated],
+    tie: impl Fn(usize) -> i64,
+) -> Vec<(u64, usize)> {
+    use tollgate_core::ports::Returning;
+    let ids: Vec<JobId> = (0..jobs.len())
+        .map(|i| JobId::parse(format!("j{i}")).unwrap())
+        .collect();
+    let keys: Vec<IdempotencyKey> = ids.iter().map(IdempotencyKey::from).collect();
+    const TIERS_MS: [u64; 6] = [100, 250, 500, 1_000, 5_000, 30_000];
+    /// A job's place: time left (µs) and the spacing it was given.
+    type Place = Option<(u64, Duration)>;
+    // (when it asks next, job, its place).
+    let mut asks: Vec<(u64, usize, Place)> = jobs
+        .iter()
+        .enumerate()
+        .map(|(i, j)| (j.arrives, i, None))
+        .collect();
+    let mut sends = Vec::new();
+    let mut steps = 0;
+    while !asks.is_empty() {
+        steps += 1;
+        assert!(steps < 100 * jobs.len(), "jobs keep asking: {asks:?}");
+        let next = (0..asks.len())
+            .min_by_key(|&k| (asks[k].0, tie(asks[k].1), asks[k].1))
+            .unwrap();
+        let (at, i, place) = asks.remove(next);
+        let req = PermitRequest {
+            priority: jobs[i].priority,
+            returning: place.map(|(left, interval)| Returning {
+                remaining: Duration::from_micros(left),
+                interval: Some(interval),
+            }),
+            ..request(&jobs[i].tenant, route, &ids[i], &keys[i])
+        };
+        match permits.decide(req, 1, Some(T0 + at)).await.unwrap() {
+            Reply::Decision(PermitDecision::Granted { delay, .. }) => {
+                sends.push((at + delay.as_micros() as u64, i));
+            }
+            Reply::Denied {
+                retry_in, interval, ..
+            } => {
+                let wait = retry_in.as_micros() as u64;
+                let hop = TIERS_MS
+                    .iter()
+                    .rev()
+                    .map(|ms| ms * 1_000)
+                    .find(|&t| t <= wait)
+                    .unwrap_or(wait);
+                asks.push((at + hop, i, Some((wait - hop, interval))));
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    sends
+}
+
 fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -306,7 +380,6 @@ fn a_narrowed_window_gives_a_place_instead_of_a_reservation() {
 #[test]
 fn a_tenants_line_is_served_high_then_normal_then_low() {
     use tollgate_core::Priority::{High, Low, Normal};
-    use tollgate_core::ports::Returning;
     for tie_break_low_first in [true, false] {
         // 10/s burst 1: slots 100 ms apart; the horizon is 250 ms.
         let quota = Quota::new("10/s".parse().unwrap(), 1).unwrap();
@@ -319,44 +392,19 @@ fn a_tenants_line_is_served_high_then_normal_then_low() {
         let sends = runtime().block_on(async {
             let (permits, quotas) = stores(quota);
             let (tenant, route) = (TenantId::parse("prop").unwrap(), Kind::default_kind());
-            let ids: Vec<JobId> = (0..classes.len())
-                .map(|i| JobId::parse(format!("j{i}")).unwrap())
-                .collect();
-            let keys: Vec<IdempotencyKey> = ids.iter().map(IdempotencyKey::from).collect();
-            // (when it asks next, µs after T0; job; its place interval).
             // The first three take the horizon; the rest come a µs later.
-            let mut asks: Vec<(u64, usize, Option<Duration>)> = (0..classes.len())
-                .map(|i| (u64::from(i >= 3), i, None))
+            let jobs: Vec<Simulated> = classes
+                .iter()
+                .enumerate()
+                .map(|(i, &priority)| Simulated {
+                    tenant: tenant.clone(),
+                    priority,
+                    arrives: u64::from(i >= 3),
+                })
                 .collect();
-            let mut sends = Vec::new();
-            let mut steps = 0;
-            while !asks.is_empty() {
-                steps += 1;
-                assert!(steps < 2_000, "jobs keep asking: {asks:?}");
-                // The earliest ask; at a tie, the lowest (or highest) class first.
-                let rank = |i: usize| classes[i] as i32 * if tie_break_low_first { 1 } else { -1 };
-                let next = (0..asks.len())
-                    .min_by_key(|&k| (asks[k].0, rank(asks[k].1), asks[k].1))
-                    .unwrap();
-                let (at, i, interval) = asks.remove(next);
-                let req = PermitRequest {
-                    priority: classes[i],
-                    returning: interval.map(|interval| Returning {
-                        remaining: Duration::ZERO,
-                        interval: Some(interval),
-                    }),
-                    ..request(&tenant, &route, &ids[i], &keys[i])
-                };
-                match permits.decide(req, 1, Some(T0 + at)).await.unwrap() {
-                    Reply::Decision(PermitDecision::Granted { delay, .. }) => {
-                        sends.push((at + delay.as_micros() as u64, i));
-                    }
-                    Reply::Denied {
-                        retry_in, interval, ..
-                    } => asks.push((at + retry_in.as_micros() as u64, i, Some(interval))),
-                    other => panic!("{other:?}"),
-                }
-            }
+            // At a tie, the lowest (or highest) class first.
+            let tie = |i: usize| classes[i] as i64 * if tie_break_low_first { 1 } else { -1 };
+            let sends = simulate(&permits, &route, &jobs, tie).await;
             quotas.purge_prefix().await.unwrap();
             sends
         });
@@ -378,6 +426,140 @@ fn a_tenants_line_is_served_high_then_normal_then_low() {
         assert_eq!(
             order, expected,
             "tie break low first: {tie_break_low_first}: {sends:?}"
+        );
+    }
+}
+
+fn test_actor() -> tollgate_quota::Actor {
+    tollgate_quota::Actor {
+        who: "test".into(),
+        source: "cli",
+    }
+}
+
+/// Gives the route `email` a quota of 30/s burst 1 (sends at least 33,333 µs
+/// apart) and returns it.
+async fn route_of_30_per_second(quotas: &QuotaStore) -> Kind {
+    let route = Kind::parse("email").unwrap();
+    let change = tollgate_quota::Change::SetQuota {
+        quota: Quota::new("30/s".parse().unwrap(), 1).unwrap(),
+        concurrency: None,
+        weight: None,
+    };
+    let target = tollgate_quota::Target::Route(route.clone());
+    quotas.apply(&target, change, &test_actor()).await.unwrap();
+    route
+}
+
+/// Three tenants with backlogs share a route of 30/s (their own quotas are
+/// far above it) with weights 1, 2 and 3. While all three have work, the
+/// route's sends divide 1 : 2 : 3; the route's limit holds throughout, and
+/// every job is sent once.
+#[test]
+fn a_shared_route_divides_among_its_tenants_by_weight() {
+    let weights = [1u32, 2, 3];
+    let per_tenant = 90;
+    let (sends, jobs) = runtime().block_on(async {
+        let (permits, quotas) = stores(Quota::new("1000/s".parse().unwrap(), 1).unwrap());
+        let route = route_of_30_per_second(&quotas).await;
+        let tenants: Vec<TenantId> = (0..weights.len())
+            .map(|t| TenantId::parse(format!("w{t}")).unwrap())
+            .collect();
+        for (tenant, &w) in tenants.iter().zip(&weights) {
+            let target = tollgate_quota::Target::Tenant(tenant.clone());
+            let change = tollgate_quota::Change::SetWeight(w);
+            quotas.apply(&target, change, &test_actor()).await.unwrap();
+        }
+        // Their jobs arrive interleaved, one every 0.1 ms.
+        let jobs: Vec<Simulated> = (0..per_tenant * weights.len())
+            .map(|i| Simulated {
+                tenant: tenants[i % weights.len()].clone(),
+                priority: tollgate_core::Priority::Normal,
+                arrives: i as u64 * 100,
+            })
+            .collect();
+        let sends = simulate(&permits, &route, &jobs, |_| 0).await;
+        quotas.purge_prefix().await.unwrap();
+        (sends, jobs)
+    });
+    let mut sends = sends;
+    sends.sort();
+    assert_eq!(sends.len(), jobs.len(), "every job is sent once");
+    let interval = 1_000_000 / 30;
+    for w in sends.windows(2) {
+        assert!(
+            w[1].0 - w[0].0 >= interval,
+            "two sends of the route closer than {interval} µs: {w:?}"
+        );
+    }
+    // While all three have work: until the first of them is done.
+    let tenant_of = |i: usize| i % weights.len();
+    let first_done = (0..weights.len())
+        .map(|t| sends.iter().rposition(|&(_, i)| tenant_of(i) == t).unwrap())
+        .min()
+        .unwrap();
+    let mut counts = vec![0usize; weights.len()];
+    for &(_, i) in &sends[..=first_done] {
+        counts[tenant_of(i)] += 1;
+    }
+    let total: usize = counts.iter().sum();
+    let weight_sum: u32 = weights.iter().sum();
+    for (t, &w) in weights.iter().enumerate() {
+        let share = counts[t] as f64 / total as f64;
+        let expected = f64::from(w) / f64::from(weight_sum);
+        assert!(
+            (share - expected).abs() <= 0.05,
+            "tenant of weight {w}: {share:.3} of {total} sends, expected {expected:.3}: {counts:?}"
+        );
+    }
+}
+
+/// A tenant with a few jobs on a route shared with a tenant whose backlog
+/// fills it for about ten seconds is not queued behind that backlog: each of
+/// its jobs goes out among the next few of the other's sends.
+#[test]
+fn a_quiet_tenant_is_not_queued_behind_a_backlog_on_a_shared_route() {
+    let backlog = 300;
+    let (sends, jobs) = runtime().block_on(async {
+        let (permits, quotas) = stores(Quota::new("1000/s".parse().unwrap(), 1).unwrap());
+        let route = route_of_30_per_second(&quotas).await;
+        let (noisy, quiet) = (
+            TenantId::parse("noisy").unwrap(),
+            TenantId::parse("quiet").unwrap(),
+        );
+        let job = |tenant: &TenantId, arrives| Simulated {
+            tenant: tenant.clone(),
+            priority: tollgate_core::Priority::Normal,
+            arrives,
+        };
+        // The backlog arrives in 30 ms; then one quiet job every 0.5 s from 1 s.
+        let mut jobs: Vec<Simulated> = (0..backlog).map(|i| job(&noisy, i * 100)).collect();
+        jobs.extend((0..16).map(|i| job(&quiet, 1_000_000 + i * 500_000)));
+        let sends = simulate(&permits, &route, &jobs, |_| 0).await;
+        quotas.purge_prefix().await.unwrap();
+        (sends, jobs)
+    });
+    let mut sends = sends;
+    sends.sort();
+    assert_eq!(sends.len(), jobs.len(), "every job is sent once");
+    for w in sends.windows(2) {
+        assert!(
+            w[1].0 - w[0].0 >= 1_000_000 / 30,
+            "the route's limit: {w:?}"
+        );
+    }
+    for (k, &(sent, i)) in sends.iter().enumerate() {
+        if i < backlog as usize {
+            continue;
+        }
+        let ahead = sends[..k]
+            .iter()
+            .filter(|&&(at, j)| j < backlog as usize && at >= jobs[i].arrives)
+            .count();
+        assert!(
+            ahead <= backlog as usize / 10,
+            "quiet job {i} (arrived {} µs) went out at {sent} µs behind {ahead} of the backlog's sends",
+            jobs[i].arrives
         );
     }
 }

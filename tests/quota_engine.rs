@@ -41,6 +41,7 @@ async fn a_route_bucket_caps_two_tenants_together() {
         Change::SetQuota {
             quota: quota("10/s", 1),
             concurrency: None,
+            weight: None,
         },
     )
     .await;
@@ -316,6 +317,7 @@ async fn concurrency_limits_in_flight_calls_across_the_fleet() {
         Change::SetQuota {
             quota: quota("100/s", 10),
             concurrency: Some(2),
+            weight: None,
         },
     )
     .await;
@@ -546,6 +548,54 @@ async fn the_admin_api_needs_the_right_token() {
         .await
         .unwrap();
     assert_eq!(bad.status(), 400);
+
+    // A weight: alone (the quota stays), audited; out of range or on a
+    // route, a clear 400 and nothing changes.
+    let put_weight = |path: &'static str, body: serde_json::Value| {
+        http.put(url(path))
+            .bearer_auth("right-token-0123456789")
+            .header("x-tollgate-actor", "alice")
+            .json(&body)
+            .send()
+    };
+    let weighted = put_weight("/v1/tenants/acme/weight", serde_json::json!({"weight": 3}))
+        .await
+        .unwrap();
+    assert_eq!(weighted.status(), 200);
+    let body: serde_json::Value = weighted.json().await.unwrap();
+    assert_eq!(body["old"]["weight"], 1);
+    assert_eq!(body["new"]["weight"], 3);
+    let stored = env.quotas.get(&tenant("acme")).await.unwrap().unwrap();
+    assert_eq!(stored.weight, Some(3));
+    assert_eq!(stored.quota, Some(quota("20/s", 2)), "the quota stays");
+    for (path, body) in [
+        ("/v1/tenants/acme/weight", serde_json::json!({"weight": 0})),
+        (
+            "/v1/tenants/acme/weight",
+            serde_json::json!({"weight": 1001}),
+        ),
+        (
+            "/v1/routes/email/quota",
+            serde_json::json!({"rate": "9/s", "weight": 2}),
+        ),
+    ] {
+        let refused = put_weight(path, body).await.unwrap();
+        assert_eq!(refused.status(), 400, "{path}");
+        let message = refused.text().await.unwrap();
+        assert!(message.contains("weight"), "{message}");
+    }
+    assert_eq!(
+        env.quotas
+            .get(&tenant("acme"))
+            .await
+            .unwrap()
+            .unwrap()
+            .weight,
+        Some(3)
+    );
+    let history = env.quotas.history(Some(&tenant("acme")), 1).await.unwrap();
+    assert_eq!(history[0].action, "weight");
+    assert_eq!(history[0].who, "api:alice");
     env.cleanup().await;
 }
 

@@ -22,7 +22,7 @@ pub use clock::{Clock, UnixMillis};
 pub use ids::{IdempotencyKey, JobId, Kind, TenantId};
 pub use job::{Job, Malformed, Priority, Progress};
 pub use outcome::{DeadReason, ParkReason, ProviderOutcome};
-pub use quota::{Quota, Rate, default_burst};
+pub use quota::{MAX_WEIGHT, Quota, Rate, default_burst, weight};
 pub use run::{Action, Completion, Eligibility, JobRun, PermitDecision, Policy, Shadow};
 pub use secret::{Secret, SecretUrl, redact_url};
 pub use tiers::DelayTiers;

@@ -29,6 +29,21 @@ pub enum QuotaError {
     ZeroBurst,
     #[error("rate {0} is above the limit of 1000000/s")]
     TooFast(String),
+    #[error("weight {0} is not between 1 and {max}", max = MAX_WEIGHT)]
+    Weight(u32),
+}
+
+/// The largest weight a tenant may have on a shared route.
+pub const MAX_WEIGHT: u32 = 1000;
+
+/// A tenant's weight on the routes it shares: its part of a route's
+/// capacity among the tenants with work there is weight / (their weights).
+pub fn weight(w: u32) -> Result<u32, QuotaError> {
+    if (1..=MAX_WEIGHT).contains(&w) {
+        Ok(w)
+    } else {
+        Err(QuotaError::Weight(w))
+    }
 }
 
 impl Rate {

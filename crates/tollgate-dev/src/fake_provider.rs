@@ -95,13 +95,29 @@ pub fn always_ok() -> Behavior {
 /// accepted requests in any sliding 1 s window, else 429 with
 /// `Retry-After: 1`. Tenants not listed are unlimited.
 pub fn strict_limits(limits: HashMap<String, u32>) -> Behavior {
+    strict_by(limits, |req| req.tenant.clone())
+}
+
+/// A provider that limits one account shared by every tenant: at most
+/// `limit` accepted requests of all of them together in any sliding 1 s
+/// window, else 429 with `Retry-After: 1`.
+pub fn strict_account(limit: u32) -> Behavior {
+    strict_by(HashMap::from([(String::new(), limit)]), |_| String::new())
+}
+
+/// Sliding-second limits on the requests `key` groups together.
+fn strict_by(
+    limits: HashMap<String, u32>,
+    key: impl Fn(&Received) -> String + Send + Sync + 'static,
+) -> Behavior {
     let windows: Mutex<HashMap<String, VecDeque<Instant>>> = Mutex::new(HashMap::new());
     Arc::new(move |req, _| {
-        let Some(&limit) = limits.get(&req.tenant) else {
+        let key = key(req);
+        let Some(&limit) = limits.get(&key) else {
             return Reply::ok();
         };
         let mut windows = windows.lock().expect("not poisoned");
-        let window = windows.entry(req.tenant.clone()).or_default();
+        let window = windows.entry(key).or_default();
         while window
             .front()
             .is_some_and(|&t| req.instant.duration_since(t) >= Duration::from_secs(1))

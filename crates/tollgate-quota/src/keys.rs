@@ -104,8 +104,21 @@ impl Keys {
         self.route_key("tat", route)
     }
 
-    pub fn route_waiting(&self, route: &Kind) -> String {
-        self.route_key("waiting", route)
+    /// A tenant's line on the route: its share of the route's capacity
+    /// (in the route's slot).
+    pub fn route_share(&self, route: &Kind, tenant: &TenantId) -> String {
+        format!("{}:{tenant}", self.route_key("share", route))
+    }
+
+    /// Sorted set of the route's tenants with work (tenant → until when).
+    pub fn route_active(&self, route: &Kind) -> String {
+        self.route_key("active", route)
+    }
+
+    /// Hash: the weight each tenant with work counts for on the route
+    /// (`w:<tenant>`), their sum (`total`) and when it last changed.
+    pub fn route_weights(&self, route: &Kind) -> String {
+        self.route_key("weights", route)
     }
 
     pub fn route_penalty(&self, route: &Kind) -> String {

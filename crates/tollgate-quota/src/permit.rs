@@ -43,15 +43,17 @@ struct PermitKeys {
     default_quota_key: String,
     route_quota_key: String,
     route_tat_key: String,
-    route_waiting_key: String,
+    route_share_key: String,
     route_penalty_key: String,
     tenant_waiting_high_key: String,
     tenant_waiting_low_key: String,
+    route_active_key: String,
+    route_weights_key: String,
 }
 
 impl PermitKeys {
     #[cfg(test)]
-    const NAMES: [&'static str; 17] = [
+    const NAMES: [&'static str; 19] = [
         "tenant_quota_key",
         "tenant_tat_key",
         "tenant_waiting_key",
@@ -65,10 +67,12 @@ impl PermitKeys {
         "default_quota_key",
         "route_quota_key",
         "route_tat_key",
-        "route_waiting_key",
+        "route_share_key",
         "route_penalty_key",
         "tenant_waiting_high_key",
         "tenant_waiting_low_key",
+        "route_active_key",
+        "route_weights_key",
     ];
 
     fn new(k: &Keys, req: &PermitRequest<'_>) -> Self {
@@ -86,15 +90,17 @@ impl PermitKeys {
             default_quota_key: k.default_quota(),
             route_quota_key: k.route_quota(req.route),
             route_tat_key: k.route_tat(req.route),
-            route_waiting_key: k.route_waiting(req.route),
+            route_share_key: k.route_share(req.route, req.tenant),
             route_penalty_key: k.route_penalty(req.route),
             tenant_waiting_high_key: k.waiting_high(req.tenant),
             tenant_waiting_low_key: k.waiting_low(req.tenant),
+            route_active_key: k.route_active(req.route),
+            route_weights_key: k.route_weights(req.route),
         }
     }
 
     /// In [`PermitKeys::NAMES`] order.
-    fn in_order(self) -> [String; 17] {
+    fn in_order(self) -> [String; 19] {
         [
             self.tenant_quota_key,
             self.tenant_tat_key,
@@ -109,10 +115,12 @@ impl PermitKeys {
             self.default_quota_key,
             self.route_quota_key,
             self.route_tat_key,
-            self.route_waiting_key,
+            self.route_share_key,
             self.route_penalty_key,
             self.tenant_waiting_high_key,
             self.tenant_waiting_low_key,
+            self.route_active_key,
+            self.route_weights_key,
         ]
     }
 }
@@ -136,11 +144,12 @@ struct PermitArgs<'a> {
     seen_cancel_ttl_ms: u64,
     reserve_us: u64,
     priority: Priority,
+    tenant_name: &'a str,
 }
 
 impl PermitArgs<'_> {
     #[cfg(test)]
-    const NAMES: [&'static str; 16] = [
+    const NAMES: [&'static str; 17] = [
         "default_count",
         "default_period_ms",
         "default_burst",
@@ -157,10 +166,11 @@ impl PermitArgs<'_> {
         "seen_cancel_ttl_ms",
         "reserve_us",
         "priority",
+        "tenant_name",
     ];
 
     /// In [`PermitArgs::NAMES`] order.
-    fn in_order(&self) -> [String; 16] {
+    fn in_order(&self) -> [String; 17] {
         let optional = |v: Option<u64>| v.map(|v| v.to_string()).unwrap_or_default();
         [
             self.default_count.to_string(),
@@ -179,6 +189,7 @@ impl PermitArgs<'_> {
             self.seen_cancel_ttl_ms.to_string(),
             self.reserve_us.to_string(),
             self.priority.as_str().to_owned(),
+            self.tenant_name.to_owned(),
         ]
     }
 }
@@ -382,6 +393,7 @@ impl RedisPermits {
             seen_cancel_ttl_ms: s.sent_ttl.as_millis() as u64,
             reserve_us: micros(req.reserve_within.unwrap_or(s.horizon).min(s.horizon)),
             priority: req.priority,
+            tenant_name: req.tenant.as_str(),
         };
         let mut invocation = self.permit.prepare_invoke();
         for key in PermitKeys::new(&self.keys, &req).in_order() {

@@ -59,11 +59,15 @@ impl Target {
 /// A change to a target's settings.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Change {
-    /// Replace the enforced quota (and the concurrency limit: `None` = none).
+    /// Replace the enforced settings: the quota, the concurrency limit and
+    /// the weight on shared routes (`None` = none, weight 1).
     SetQuota {
         quota: Quota,
         concurrency: Option<u32>,
+        weight: Option<u32>,
     },
+    /// Change only the tenant's weight on the routes it shares.
+    SetWeight(u32),
     /// A quota computed and counted beside the enforced one, never enforced.
     SetShadow(Quota),
     ClearShadow,
@@ -77,6 +81,7 @@ impl Change {
     pub fn action(self) -> &'static str {
         match self {
             Self::SetQuota { .. } => "set",
+            Self::SetWeight(_) => "weight",
             Self::SetShadow(_) => "shadow",
             Self::ClearShadow => "clear-shadow",
             Self::Delete => "delete",
@@ -104,20 +109,24 @@ impl Change {
             Self::SetQuota {
                 quota: q,
                 concurrency,
+                weight,
             } => {
                 let mut f = quota(&LIVE, Some(q));
                 f.push((
                     "concurrency",
                     concurrency.map(|c| c.to_string()).unwrap_or_default(),
                 ));
+                f.push(("weight", weight.map(|w| w.to_string()).unwrap_or_default()));
                 f
             }
+            Self::SetWeight(w) => vec![("weight", w.to_string())],
             Self::SetShadow(q) => quota(&SHADOW, Some(q)),
             Self::ClearShadow => quota(&SHADOW, None),
             Self::Delete => {
                 let mut f = quota(&LIVE, None);
                 f.extend(quota(&SHADOW, None));
                 f.push(("concurrency", String::new()));
+                f.push(("weight", String::new()));
                 f
             }
             Self::Pause => vec![("paused", "1".into())],
@@ -139,6 +148,8 @@ pub struct Actor {
 pub struct Settings {
     pub quota: Option<Quota>,
     pub concurrency: Option<u32>,
+    /// Weight on the routes the tenant shares (`None` = 1).
+    pub weight: Option<u32>,
     pub paused: bool,
     pub shadow: Option<Quota>,
     pub updated_by: Option<String>,
@@ -173,6 +184,7 @@ impl Settings {
         Ok(Self {
             quota: quota("count", "period_ms", "burst")?,
             concurrency: num("concurrency")?.map(|c| c as u32),
+            weight: num("weight")?.map(|w| w as u32),
             paused: fields.get("paused").is_some_and(|v| v == "1"),
             shadow: quota("shadow_count", "shadow_period_ms", "shadow_burst")?,
             updated_by: fields.get("updated_by").cloned(),
@@ -188,6 +200,9 @@ impl Settings {
         }];
         if let Some(c) = self.concurrency {
             parts.push(format!("concurrency {c}"));
+        }
+        if let Some(w) = self.weight {
+            parts.push(format!("weight {w}"));
         }
         if self.paused {
             parts.push("PAUSED".into());

@@ -18,6 +18,7 @@
 //! rate = "20/s"
 //! burst = 1
 //! concurrency = 4
+//! weight = 3          # its part of the routes it shares (default 1)
 //!
 //! [routes.email]
 //! rate = "100/s"
@@ -49,18 +50,25 @@ pub struct Entry {
     pub burst: u32,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub concurrency: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub weight: Option<u32>,
 }
 
 impl Entry {
     /// Names this version of the entry: a changed entry is seeded again
     /// even where its quota was deleted.
     fn fingerprint(&self) -> String {
-        format!(
+        let mut f = format!(
             "rate={};burst={};concurrency={}",
             self.rate,
             self.burst,
             self.concurrency.map(|c| c.to_string()).unwrap_or_default()
-        )
+        );
+        // Entries written before weights existed keep their fingerprint.
+        if let Some(w) = self.weight {
+            f.push_str(&format!(";weight={w}"));
+        }
+        f
     }
 
     fn from_settings(s: &Settings) -> Option<Self> {
@@ -68,6 +76,7 @@ impl Entry {
             rate: q.rate.to_string(),
             burst: q.burst,
             concurrency: s.concurrency,
+            weight: s.weight,
         })
     }
 }
@@ -98,13 +107,14 @@ impl Baseline {
             Ok(Change::SetQuota {
                 quota: Quota::parse(&e.rate, e.burst).context("rate")?,
                 concurrency: e.concurrency,
+                weight: e.weight.map(tollgate_core::weight).transpose()?,
             })
         };
         let mut out = Vec::new();
         if let Some(d) = &self.default {
             anyhow::ensure!(
-                d.concurrency.is_none(),
-                "[default]: concurrency applies to tenants"
+                d.concurrency.is_none() && d.weight.is_none(),
+                "[default]: concurrency and weight apply to tenants"
             );
             out.push((Target::Default, change(d)?, d.fingerprint()));
         }
@@ -120,8 +130,8 @@ impl Baseline {
         for (name, e) in &self.routes {
             let route = Kind::parse(name.as_str()).with_context(|| format!("[routes.{name}]"))?;
             anyhow::ensure!(
-                e.concurrency.is_none(),
-                "[routes.{name}]: concurrency applies to tenants"
+                e.concurrency.is_none() && e.weight.is_none(),
+                "[routes.{name}]: concurrency and weight apply to tenants"
             );
             out.push((
                 Target::Route(route),
@@ -191,6 +201,7 @@ mod tests {
             [tenants.acme]
             rate = "20/s"
             concurrency = 4
+            weight = 3
 
             [routes.email]
             rate = "100/s"
@@ -203,6 +214,14 @@ mod tests {
             quota_of(&baseline.tenants["acme"]).unwrap().to_string(),
             "20/s burst 1"
         );
+        assert!(changes.iter().any(|(_, change, fingerprint)| matches!(
+            change,
+            Change::SetQuota {
+                weight: Some(3),
+                ..
+            }
+        )
+            && fingerprint.ends_with(";weight=3")));
         let again: Baseline = toml::from_str(&toml::to_string(&baseline).unwrap()).unwrap();
         assert_eq!(again, baseline);
     }
@@ -224,5 +243,13 @@ mod tests {
         let bad: Baseline = toml::from_str("[tenants.acme]\nrate = \"lots\"").unwrap();
         assert!(format!("{:#}", bad.changes().unwrap_err()).contains("rate \"lots\""));
         assert!(toml::from_str::<Baseline>("[tenants.acme]\nrate = \"1/s\"\ntypo = 1").is_err());
+        let bad: Baseline = toml::from_str("[tenants.acme]\nrate = \"1/s\"\nweight = 0").unwrap();
+        let message = format!("{:#}", bad.changes().unwrap_err());
+        assert!(
+            message.contains("[tenants.acme]") && message.contains("weight 0"),
+            "{message}"
+        );
+        let bad: Baseline = toml::from_str("[routes.email]\nrate = \"1/s\"\nweight = 2").unwrap();
+        assert!(format!("{:#}", bad.changes().unwrap_err()).contains("weight apply to tenants"));
     }
 }

@@ -72,6 +72,7 @@ pub fn router(state: AdminState) -> Router {
             "/v1/tenants/{tenant}/shadow",
             put(put_shadow).delete(delete_shadow),
         )
+        .route("/v1/tenants/{tenant}/weight", put(put_weight))
         .route("/v1/tenants/{tenant}/pause", post(pause))
         .route("/v1/tenants/{tenant}/resume", post(resume))
         .route(
@@ -189,6 +190,7 @@ fn settings_json(s: &Settings) -> serde_json::Value {
     json!({
         "quota": s.quota.map(QuotaJson::from),
         "concurrency": s.concurrency,
+        "weight": s.weight.unwrap_or(1),
         "paused": s.paused,
         "shadow": s.shadow.map(QuotaJson::from),
         "updated_by": s.updated_by,
@@ -214,6 +216,27 @@ struct QuotaBody {
     burst: u32,
     #[serde(default)]
     concurrency: Option<u32>,
+    #[serde(default)]
+    weight: Option<u32>,
+}
+
+impl QuotaBody {
+    /// For a default or route quota: no tenant-only settings.
+    fn shared(&self) -> Result<Quota, ApiError> {
+        if self.concurrency.is_some() {
+            return Err(bad_request("concurrency applies to tenants"));
+        }
+        if self.weight.is_some() {
+            return Err(bad_request("weight applies to tenants"));
+        }
+        Quota::parse(&self.rate, self.burst).map_err(bad_request)
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct WeightBody {
+    weight: u32,
 }
 
 async fn apply(
@@ -288,10 +311,10 @@ async fn put_default(
     headers: HeaderMap,
     Json(body): Json<QuotaBody>,
 ) -> ApiResult {
-    let quota = Quota::parse(&body.rate, body.burst).map_err(bad_request)?;
     let change = Change::SetQuota {
-        quota,
+        quota: body.shared()?,
         concurrency: None,
+        weight: None,
     };
     apply(&state, &Target::Default, change, &headers).await
 }
@@ -307,11 +330,27 @@ async fn put_tenant(
     Json(body): Json<QuotaBody>,
 ) -> ApiResult {
     let quota = Quota::parse(&body.rate, body.burst).map_err(bad_request)?;
+    let weight = body
+        .weight
+        .map(tollgate_core::weight)
+        .transpose()
+        .map_err(bad_request)?;
     let change = Change::SetQuota {
         quota,
         concurrency: body.concurrency,
+        weight,
     };
     apply(&state, &tenant(&name)?, change, &headers).await
+}
+
+async fn put_weight(
+    State(state): State<AdminState>,
+    Path(name): Path<String>,
+    headers: HeaderMap,
+    Json(body): Json<WeightBody>,
+) -> ApiResult {
+    let weight = tollgate_core::weight(body.weight).map_err(bad_request)?;
+    apply(&state, &tenant(&name)?, Change::SetWeight(weight), &headers).await
 }
 
 async fn delete_tenant(
@@ -387,13 +426,10 @@ async fn put_route(
     headers: HeaderMap,
     Json(body): Json<QuotaBody>,
 ) -> ApiResult {
-    if body.concurrency.is_some() {
-        return Err(bad_request("concurrency applies to tenants"));
-    }
-    let quota = Quota::parse(&body.rate, body.burst).map_err(bad_request)?;
     let change = Change::SetQuota {
-        quota,
+        quota: body.shared()?,
         concurrency: None,
+        weight: None,
     };
     apply(&state, &route(&name)?, change, &headers).await
 }

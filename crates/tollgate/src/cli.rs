@@ -124,19 +124,26 @@ pub enum QuotaCommand {
     #[command(
         after_help = "Examples:\n  tollgate quota set acme --rate 20/s --burst 1 --concurrency 4\n  \
         tollgate quota set acme --rate 5/s --shadow      # computed and counted, not enforced\n  \
-        tollgate quota set --route email --rate 100/s    # one provider account shared by all tenants"
+        tollgate quota set --route email --rate 100/s    # one provider account shared by all tenants\n  \
+        tollgate quota set acme --weight 3               # 3 parts of a shared route's capacity to others' 1\n\n\
+        With --rate, set replaces the tenant's enforced settings: a concurrency\n\
+        or weight not given is cleared. --weight alone changes only the weight."
     )]
     Set {
         #[command(flatten)]
         target: TargetArgs,
-        /// N/s, N/m or N/h.
+        /// N/s, N/m or N/h (may be left out to change only --weight).
         #[arg(long)]
-        rate: String,
+        rate: Option<String>,
         #[arg(long, default_value_t = 1)]
         burst: u32,
         /// Most provider calls of this tenant in flight across the fleet.
         #[arg(long)]
         concurrency: Option<u32>,
+        /// The tenant's weight on the routes it shares (1 to 1000, default 1):
+        /// a route's capacity divides among the tenants with work by weight.
+        #[arg(long, value_parser = parse_weight)]
+        weight: Option<u32>,
         /// Set the tenant's shadow quota instead: decisions are computed,
         /// logged and counted (tollgate_shadow_decisions_total), never enforced.
         #[arg(long)]
@@ -514,6 +521,7 @@ pub async fn set_tenant_quota(
     let change = Change::SetQuota {
         quota,
         concurrency: None,
+        weight: None,
     };
     let actor = Actor {
         who: who.to_owned(),
@@ -532,6 +540,14 @@ pub const BASELINE_DELETE_NOTE: &str = "{target} is in the quota baseline: this 
 /// `priority` field).
 fn parse_priority(s: &str) -> Result<Priority, String> {
     Priority::parse(s).map_err(|e| e.to_string())
+}
+
+/// Parses `--weight` (1 to 1000).
+fn parse_weight(s: &str) -> Result<u32, String> {
+    let w: u32 = s
+        .parse()
+        .map_err(|_| format!("{s:?} is not a whole number"))?;
+    tollgate_core::weight(w).map_err(|e| e.to_string())
 }
 
 /// Parses `--rate` and `--burst` into a quota.
@@ -581,11 +597,32 @@ pub async fn quota(config: &Config, command: &QuotaCommand, actor: &Actor) -> an
             rate,
             burst,
             concurrency,
+            weight,
             shadow,
         } => {
             let target = target.target()?;
+            if weight.is_some() && !matches!(target, Target::Tenant(_)) {
+                bail!(
+                    "--weight applies to tenants: a route's capacity divides among them by weight"
+                )
+            }
+            let Some(rate) = rate else {
+                match weight {
+                    Some(w) if !shadow && concurrency.is_none() => {
+                        let (old, new) = store.apply(&target, Change::SetWeight(*w), actor).await?;
+                        print_change(&target, &old, &new);
+                        return Ok(());
+                    }
+                    _ => bail!(
+                        "--rate is required (it may be left out only to change --weight alone)"
+                    ),
+                }
+            };
             let quota = parse_quota(rate, *burst)?;
             let change = match (shadow, &target) {
+                (true, Target::Tenant(_)) if weight.is_some() => {
+                    bail!("--weight applies to the enforced quota, not to --shadow")
+                }
                 (true, Target::Tenant(_)) => Change::SetShadow(quota),
                 (true, _) => bail!("--shadow applies to tenants"),
                 (false, Target::Route(_)) if concurrency.is_some() => {
@@ -594,6 +631,7 @@ pub async fn quota(config: &Config, command: &QuotaCommand, actor: &Actor) -> an
                 (false, _) => Change::SetQuota {
                     quota,
                     concurrency: *concurrency,
+                    weight: *weight,
                 },
             };
             let (old, new) = store.apply(&target, change, actor).await?;
@@ -642,6 +680,7 @@ pub async fn quota(config: &Config, command: &QuotaCommand, actor: &Actor) -> an
                 let change = Change::SetQuota {
                     quota: parse_quota(rate, *burst)?,
                     concurrency: None,
+                    weight: None,
                 };
                 let (old, new) = store.apply(&Target::Default, change, actor).await?;
                 print_change(&Target::Default, &old, &new);

@@ -15,7 +15,7 @@ use super::fairness::lags_ms;
 use super::pacing::{adherence_figures, utilization};
 use super::rig::{Rig, scrape};
 use super::{Figure, Scenario, percentile, progress};
-use crate::fake_provider::{Received, max_in_window, strict_limits};
+use crate::fake_provider::{Received, max_in_window, strict_account, strict_limits};
 use tollgate::config::Config;
 
 /// The settings swept (concurrency, prefetch if forced), with their
@@ -56,6 +56,7 @@ pub async fn run(base: &Config, wanted: impl Fn(&str) -> bool) -> anyhow::Result
         figures.extend(scheduled(base, setting).await?);
         figures.extend(adherence(base, setting).await?);
         figures.extend(many_tenants(base, setting).await?);
+        figures.extend(weighted_share(base, setting).await?);
         out.push(Scenario {
             key,
             title,
@@ -74,7 +75,13 @@ pub async fn run(base: &Config, wanted: impl Fn(&str) -> bool) -> anyhow::Result
                 "many_tenants": format!(
                     "{WORKERS} worker processes; 200 tenants × 20 jobs at 2/s burst 1 each (ideal drain 10 s)"
                 ),
-                "provider": "strict: 429 beyond each tenant's quota in any sliding second",
+                "weighted_share": format!(
+                    "{WORKERS} worker processes; 3 tenants with weights 1, 2, 3 and {SHARE_BACKLOG} jobs \
+                     each on one route of 30/s burst 1 (their own quotas 100/s); shares counted from \
+                     the first send of the last to start to the last send of the first to finish"
+                ),
+                "provider": "strict: 429 beyond each tenant's quota (and, in weighted_share, \
+                             beyond the route's 30) in any sliding second",
             }),
             figures,
         });
@@ -374,4 +381,128 @@ async fn many_tenants(base: &Config, setting: Setting) -> anyhow::Result<Vec<Fig
         )
         .target("<= 2"),
     ])
+}
+
+/// Jobs per tenant in the weighted-share scenario.
+const SHARE_BACKLOG: u32 = 150;
+
+/// Three tenants with backlogs on one route of 30/s, weights 1, 2 and 3:
+/// each one's part of the route's sends while all three have work, against
+/// its weight's part (1/6, 2/6, 3/6).
+async fn weighted_share(base: &Config, setting: Setting) -> anyhow::Result<Vec<Figure>> {
+    const WEIGHTS: [u32; 3] = [1, 2, 3];
+    const LIMIT: Duration = Duration::from_secs(60);
+    progress(&format!(
+        "sweep {setting}: weighted share, weights {WEIGHTS:?} on one 30/s route"
+    ));
+    let rig = Rig::new(base, strict_account(30)).await?;
+    let actor = tollgate_quota::Actor {
+        who: "bench".into(),
+        source: "cli",
+    };
+    let route = tollgate_quota::Change::SetQuota {
+        quota: tollgate_core::Quota::parse("30/s", 1)?,
+        concurrency: None,
+        weight: None,
+    };
+    let target = tollgate_quota::Target::Route(tollgate_core::Kind::default_kind());
+    rig.store.apply(&target, route, &actor).await?;
+    let names: Vec<String> = WEIGHTS.iter().map(|w| format!("weight-{w}")).collect();
+    for (name, &w) in names.iter().zip(&WEIGHTS) {
+        rig.set_quota(name, "100/s", 1).await?;
+        let target = tollgate_quota::Target::Tenant(tollgate_core::TenantId::parse(name.as_str())?);
+        rig.store
+            .apply(&target, tollgate_quota::Change::SetWeight(w), &actor)
+            .await?;
+    }
+    let mut rig = rig;
+    spawn_workers(&mut rig, setting, WORKERS).await?;
+    for name in &names {
+        rig.publish(name, SHARE_BACKLOG, None, "{}").await?;
+    }
+    // Until the first tenant is done.
+    let started = Instant::now();
+    let done = |received: &[Received]| {
+        names.iter().any(|t| {
+            received
+                .iter()
+                .filter(|r| r.status == 200 && &r.tenant == t)
+                .count()
+                >= SHARE_BACKLOG as usize
+        })
+    };
+    while !done(&rig.provider.received()) && started.elapsed() < LIMIT {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let received = rig.provider.received();
+    rig.cleanup().await?;
+    let sent: Vec<&Received> = received.iter().filter(|r| r.status == 200).collect();
+    // While all three have work: from the first send of the last to start
+    // (the first published has the route to itself until the others' jobs
+    // arrive, as it should) to the last send of the first to finish.
+    let span = |pick: fn(Vec<Instant>) -> Option<Instant>| -> Vec<Instant> {
+        names
+            .iter()
+            .filter_map(|t| pick(times(&received, t)))
+            .collect()
+    };
+    let from = span(|t| t.into_iter().min()).into_iter().max();
+    let to = span(|t| t.into_iter().max()).into_iter().min();
+    let sent: Vec<&Received> = match (from, to) {
+        (Some(from), Some(to)) => sent
+            .into_iter()
+            .filter(|r| r.instant >= from && r.instant <= to)
+            .collect(),
+        _ => sent,
+    };
+    let counts: Vec<usize> = names
+        .iter()
+        .map(|t| sent.iter().filter(|r| &r.tenant == t).count())
+        .collect();
+    let total = counts.iter().sum::<usize>().max(1) as f64;
+    let weight_sum: u32 = WEIGHTS.iter().sum();
+    let all: Vec<Instant> = sent.iter().map(|r| r.instant).collect();
+    let mut figures: Vec<Figure> = WEIGHTS
+        .iter()
+        .zip(&counts)
+        .map(|(&w, &n)| {
+            let share = n as f64 / total;
+            let expected = f64::from(w) / f64::from(weight_sum);
+            Figure::new(
+                match w {
+                    1 => "weighted share: weight 1, achieved ÷ its weight's share (1/6)",
+                    2 => "weighted share: weight 2, achieved ÷ its weight's share (2/6)",
+                    _ => "weighted share: weight 3, achieved ÷ its weight's share (3/6)",
+                },
+                "ratio",
+                vec![share / expected],
+            )
+            .target("0.95–1.05")
+        })
+        .collect();
+    figures.push(
+        Figure::new(
+            "weighted share: route max in any 1 s (limit 30)",
+            "requests",
+            vec![max_in_window(&all, Duration::from_secs(1)) as f64],
+        )
+        .target("<= 30"),
+    );
+    figures.push(
+        Figure::new(
+            "weighted share: 429s",
+            "requests",
+            vec![received.iter().filter(|r| r.status == 429).count() as f64],
+        )
+        .target("0"),
+    );
+    figures.push(
+        Figure::new(
+            "weighted share: route use while all three have work",
+            "fraction of 30/s",
+            vec![utilization(&sent, 30.0)],
+        )
+        .target(">= 0.97"),
+    );
+    Ok(figures)
 }

@@ -21,10 +21,12 @@
 -- KEYS[11] default_quota_key          hash: count period_ms burst (the stored default)
 -- KEYS[12] route_quota_key            hash: count period_ms burst
 -- KEYS[13] route_tat_key              the route's TAT
--- KEYS[14] route_waiting_key          the route's line of waiting jobs
+-- KEYS[14] route_share_key            this tenant's line on the route (its share of the route's capacity)
 -- KEYS[15] route_penalty_key          provider 429 on a route whose 429s are account-wide
 -- KEYS[16] tenant_waiting_high_key    the tenant's line of waiting high-priority jobs
 -- KEYS[17] tenant_waiting_low_key     the tenant's line of waiting low-priority jobs
+-- KEYS[18] route_active_key           zset: tenant with work on the route -> until when (microseconds)
+-- KEYS[19] route_weights_key          hash: 'w:<tenant>' -> weight counted, 'total' -> their sum, 'changed' -> when it last changed
 --
 -- ARGV[1]  default_count              default quota from config: count
 -- ARGV[2]  default_period_ms          default quota from config: period, milliseconds
@@ -42,6 +44,7 @@
 -- ARGV[14] seen_cancel_ttl_ms         how long a seen cancellation is kept for other copies, milliseconds
 -- ARGV[15] reserve_us                 how far ahead this job may be reserved (<= horizon), microseconds
 -- ARGV[16] priority                   the job's class: high, normal or low
+-- ARGV[17] tenant_name                the tenant's name (its member in the route's sets)
 --
 -- Reply {code, a, b, c}:
 --   {0, delay, shadow, send}    granted at now + delay = send (microseconds since the epoch, Redis
@@ -68,10 +71,12 @@ local cancelled_idempotency_key = KEYS[10]
 local default_quota_key = KEYS[11]
 local route_quota_key = KEYS[12]
 local route_tat_key = KEYS[13]
-local route_waiting_key = KEYS[14]
+local route_share_key = KEYS[14]
 local route_penalty_key = KEYS[15]
 local tenant_waiting_high_key = KEYS[16]
 local tenant_waiting_low_key = KEYS[17]
+local route_active_key = KEYS[18]
+local route_weights_key = KEYS[19]
 local default_count = ARGV[1]
 local default_period_ms = ARGV[2]
 local default_burst = ARGV[3]
@@ -88,6 +93,7 @@ local returning_interval_us = ARGV[13]
 local seen_cancel_ttl_ms = ARGV[14]
 local reserve_us = ARGV[15]
 local priority = ARGV[16]
+local tenant_name = ARGV[17]
 
 local now = now_us(now_override_us)
 local horizon = tonumber(horizon_us)
@@ -116,7 +122,7 @@ if holder and holder ~= lease_token then
 end
 
 local q = redis.call('HMGET', tenant_quota_key, 'count', 'period_ms', 'burst', 'concurrency', 'paused',
-  'shadow_count', 'shadow_period_ms', 'shadow_burst', 'updated_at_ms')
+  'shadow_count', 'shadow_period_ms', 'shadow_burst', 'updated_at_ms', 'weight')
 if q[5] == '1' then return {4, tonumber(pause_recheck_us)} end
 
 -- A bucket: {interval, burst, changed_at} or nil. changed_at (microseconds)
@@ -147,12 +153,14 @@ end
 
 -- The bucket's TAT, clamped so a quota change applies at once (under a steady
 -- quota it never exceeds the clamp).
+-- Also returns the TAT as stored (nil if none).
 local function load_tat(tat_key, b)
-  local tat = tonumber(redis.call('GET', tat_key)) or now
+  local stored = tonumber(redis.call('GET', tat_key))
+  local tat = stored or now
   if tat < now then tat = now end
   local cap = now + horizon + b[1] * b[2]
   if tat > cap then tat = cap end
-  return tat
+  return tat, stored
 end
 
 -- A provider 429 (Retry-After) on the tenant, or on the whole route when its
@@ -215,12 +223,71 @@ local function waiting_slots(keys, own, tat, b, n)
   return retry
 end
 
+-- This tenant's share of the route, as a line spacing: the route's capacity
+-- divides among the tenants with work on it by weight, so each tenant's
+-- line on the route is spaced the route's interval × (the weights counted)
+-- / its weight. Tenants whose share line is spent leave the sum. A tenant
+-- whose own quota holds it below its share counts only for what it can use,
+-- so the rest goes to the others. Returns {spacing, 1, changed}: a bucket
+-- of burst 1 (places are send times), re-spaced around `changed`, the last
+-- time the sum moved.
+local function route_share()
+  local function field(name) return tonumber(redis.call('HGET', route_weights_key, name)) end
+  local total = field('total') or 0
+  local before = total
+  local done = redis.call('ZRANGEBYSCORE', route_active_key, '-inf', string.format('%.0f', now), 'LIMIT', 0, 100)
+  for _, t in ipairs(done) do
+    total = total - (field('w:' .. t) or 0)
+    redis.call('HDEL', route_weights_key, 'w:' .. t)
+    redis.call('ZREM', route_active_key, t)
+  end
+  local mine = field('w:' .. tenant_name) or 0
+  local others = total - mine
+  if others < 1e-6 then others = 0 end
+  local w = tonumber(q[10]) or 1
+  if w < 1 then w = 1 end
+  -- At most this fraction of the route's sends can be the tenant's own.
+  local usable = route[1] / tenant[1]
+  if others > 0 and usable < 1 then w = math.min(w, math.max(usable * others / (1 - usable), 1e-3)) end
+  w = tonumber(string.format('%.6f', w))
+  if w ~= mine then redis.call('HSET', route_weights_key, 'w:' .. tenant_name, string.format('%.6f', w)) end
+  total = tonumber(string.format('%.6f', others + w))
+  local changed = field('changed')
+  if total ~= before or not changed then
+    changed = now
+    redis.call('HSET', route_weights_key, 'total', string.format('%.6f', total), 'changed', string.format('%.0f', now))
+  end
+  return {math.ceil(route[1] * total / w), 1, changed}
+end
+
 local tenant_tat = load_tat(tenant_tat_key, tenant)
 local delay = delay_of(tenant_tat, tenant)
-local route_tat, route_delay = 0, 0
+local route_tat, route_delay, share, route_idle = 0, 0, nil, false
 if route then
-  route_tat = load_tat(route_tat_key, route)
+  local stored
+  route_tat, stored = load_tat(route_tat_key, route)
   route_delay = delay_of(route_tat, route)
+  share = route_share()
+  -- A slot of the route went unused for a whole interval: whoever asks may
+  -- take the next one, whatever its share says. Shares order a contended
+  -- route; they never leave it idle.
+  route_idle = route_delay == 0 and delay == 0 and (stored or 0) + route[1] <= now
+end
+
+-- The tenant counts among the route's tenants with work while it holds
+-- places on either of its lines there, and for one share spacing after any
+-- decision.
+local function count_on_route()
+  if not share then return end
+  local until_at = now + share[1]
+  for _, at in ipairs({line_at(route_share_key, share) or 0, line_at(tenant_waiting_key, tenant) or 0}) do
+    if at > until_at then until_at = at end
+  end
+  redis.call('ZADD', route_active_key, string.format('%.0f', until_at), tenant_name)
+  local ttl_ms = math.ceil((until_at - now) / 1000) + 60000
+  for _, key in ipairs({route_active_key, route_weights_key}) do
+    if redis.call('PTTL', key) < ttl_ms then redis.call('PEXPIRE', key, ttl_ms) end
+  end
 end
 
 -- The tenant's lines, in the order they are served: high, normal, low.
@@ -241,16 +308,35 @@ local function line_ahead(keys, last, tat, b)
   return furthest
 end
 local tenant_line = line_ahead(lines, remaining and rank - 1 or rank, tenant_tat, tenant)
-local route_line = nil
-if route and not remaining then route_line = line_ahead({route_waiting_key}, 1, route_tat, route) end
+-- A fresh job takes the tenant's share of the route in turn: it waits while
+-- the next place of the tenant's share is beyond its window.
+local share_ahead = nil
+if share and not remaining and not route_idle then
+  local at = line_at(route_share_key, share)
+  if at and at > now + reserve then share_ahead = at end
+end
+-- A job back early (a hop) for a place on its share line waits for it,
+-- re-spaced if the shares changed, even when the route's bucket is free:
+-- the route's next slots may be other tenants' places. (A place on the
+-- tenant's own line has the tenant's spacing.)
+local returning_iv = tonumber(returning_interval_us)
+if share and remaining and returning_iv and math.abs(returning_iv - tenant[1]) > 1 and not route_idle then
+  local place = respace(now + remaining, returning_iv, share)
+  if place - now > reserve then
+    count_on_route()
+    return {1, math.ceil(place - now), math.floor(share[1]), 1, 1}
+  end
+end
 
 local n = tonumber(denial_slots)
-if delay > reserve or route_delay > reserve or tenant_line or route_line then
-  -- Queue behind whichever bucket is further out (or has a line); only that
-  -- one's queue moves.
+if delay > reserve or route_delay > reserve or tenant_line or share_ahead then
+  -- Queue on whichever side is further out: the tenant's own lines, or its
+  -- share line on the route (places there are send times, from when the
+  -- route's bucket allows one). Only that side's line moves.
   local b, b_tat, b_lines, b_rank, b_ahead = tenant, tenant_tat, lines, rank, tenant_line
-  if route and (route_delay > delay or (route_line and not tenant_line)) then
-    b, b_tat, b_lines, b_rank, b_ahead = route, route_tat, {route_waiting_key}, 1, route_line
+  local tenant_far = math.max(delay, (tenant_line or now) - now)
+  if share and math.max(route_delay, (share_ahead or now) - now) > tenant_far then
+    b, b_tat, b_lines, b_rank, b_ahead = share, now + route_delay, {route_share_key}, 1, nil
   end
   if remaining then
     -- Back from (a hop of) its wait: keep the place, re-spaced like the line
@@ -258,6 +344,7 @@ if delay > reserve or route_delay > reserve or tenant_line or route_line then
     -- back: `reserve` before the slot itself.)
     local place = respace(now + remaining, tonumber(returning_interval_us), b)
     if place - now > reserve then
+      count_on_route()
       return {1, math.ceil(place - now), math.floor(b[1]), 1, 1}
     end
     if b_ahead then
@@ -267,20 +354,31 @@ if delay > reserve or route_delay > reserve or tenant_line or route_line then
       -- Their jobs have not come for them yet: look again a slot later,
       -- never at once (their places pass with time).
       if place <= now then place = now + b[1] end
+      count_on_route()
       return {1, math.ceil(place - now), math.floor(b[1]), 1, 1}
+    end
+    if b == share then
+      -- Its share's place has come and the route is busy past the window
+      -- (other tenants' places fell close together): it keeps its turn and
+      -- asks again as the route frees.
+      count_on_route()
+      return {1, math.ceil(math.max(route_delay - reserve, route[1])), math.floor(b[1]), 1, 1}
     end
     -- Its slot went to another job (it came back late, or a reservation
     -- took it): the back of its line. Moving it to the front instead would
     -- shift every place behind it by as much, each costing a round trip
     -- (measured: 200 tenants × 20 jobs drained in 27 s instead of 13 s).
   end
-  return {1, math.ceil(waiting_slots(b_lines, b_rank, b_tat, b, n)), math.floor(b[1]), n, 0}
+  local retry = waiting_slots(b_lines, b_rank, b_tat, b, n)
+  count_on_route()
+  return {1, math.ceil(retry), math.floor(b[1]), n, 0}
 end
 
 local concurrency = tonumber(q[4])
 if concurrency and concurrency > 0 then
   redis.call('ZREMRANGEBYSCORE', tenant_in_flight_key, '-inf', now)
   if redis.call('ZCARD', tenant_in_flight_key) >= concurrency then
+    count_on_route()
     return {6, tonumber(concurrency_retry_us)}
   end
 end
@@ -297,7 +395,14 @@ end
 advance(tenant_tat_key, tenant_tat, tenant)
 -- A fresh job took a slot ahead of the places of the classes served after it.
 if not remaining then make_room(lines, rank, tenant_tat, tenant, 1) end
-if route then advance(route_tat_key, route_tat, route) end
+if route then
+  advance(route_tat_key, route_tat, route)
+  -- The send used a place of the tenant's share: the next is a spacing on.
+  -- (A job back for a share place finds the line already past it.)
+  local at = line_at(route_share_key, share)
+  if not at or at < send + share[1] then push_line(route_share_key, send + share[1], share) end
+  count_on_route()
+end
 
 local lease_ms = tonumber(lease_ttl_ms) + math.ceil(delay / 1000)
 redis.call('SET', lease_key, lease_token, 'PX', lease_ms)
