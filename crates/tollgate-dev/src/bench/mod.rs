@@ -26,6 +26,7 @@ mod fairness;
 mod pacing;
 mod peer;
 mod permits;
+mod pipeline;
 mod rig;
 mod sweep;
 mod throughput;
@@ -49,9 +50,10 @@ pub struct BenchArgs {
     /// Seconds per permit-path measurement.
     #[arg(long, default_value_t = 3)]
     pub permit_seconds: u64,
-    /// Only these scenarios (throughput, permits, pacing, fairness, sweep,
-    /// peer; or one point of the sweep: sweep_c4, sweep_c16, sweep_c64,
-    /// sweep_c256, sweep_p4).
+    /// Only these scenarios (throughput, pipeline, permits, pacing,
+    /// fairness, sweep, peer; or one point of the pipeline comparison:
+    /// pipeline_p4, pipeline_p16, pipeline_p64, pipeline_p256; or of the
+    /// sweep: sweep_c4, sweep_c16, sweep_c64, sweep_c256, sweep_p4).
     #[arg(long, value_delimiter = ',')]
     pub only: Vec<String>,
     /// Where report.json and report.md go.
@@ -177,6 +179,13 @@ pub async fn run(base: &Config, args: &BenchArgs) -> anyhow::Result<()> {
                 .context("throughput scenario")?,
         );
     }
+    // `pipeline` runs every prefetch; `pipeline_p4`, … one each.
+    let prefetch = |key: &str| wanted("pipeline") || (!args.only.is_empty() && wanted(key));
+    scenarios.extend(
+        pipeline::run(base, args, prefetch)
+            .await
+            .context("minimal-pipeline scenarios")?,
+    );
     if wanted("permits") {
         scenarios.push(
             permits::run(base, args)

@@ -384,7 +384,7 @@ async fn many_tenants(base: &Config, setting: Setting) -> anyhow::Result<Vec<Fig
 }
 
 /// Jobs per tenant in the weighted-share scenario.
-const SHARE_BACKLOG: u32 = 150;
+const SHARE_BACKLOG: u32 = 300;
 
 /// Three tenants with backlogs on one route of 30/s, weights 1, 2 and 3:
 /// each one's part of the route's sends while all three have work, against

@@ -35,7 +35,7 @@ pub async fn run(base: &Config, args: &BenchArgs) -> anyhow::Result<Vec<Scenario
             "throughput {i}/{}: one tollgate worker process, {} jobs",
             args.runs, args.jobs
         ));
-        let run = tollgate_process(base, args.jobs).await?;
+        let run = tollgate_process(base, args.jobs, &[]).await?;
         tollgate.push(run.jobs_per_s);
         trips.push(run.round_trips_per_job);
         per_cpu.push(run.jobs_per_cpu_second);
@@ -81,12 +81,40 @@ async fn bare_consume_ack(base: &Config, n: u32) -> anyhow::Result<f64> {
     let conn = Connection::connect(base.amqp_url.expose(), ConnectionProperties::default())
         .await
         .context("connecting to RabbitMQ")?;
+    let queue = fill_queue(&conn, n, "ceiling").await?;
+    let consumer_channel = conn.create_channel().await?;
+    consumer_channel
+        .basic_qos(base.concurrency, BasicQosOptions::default())
+        .await?;
+    let mut consumer = consumer_channel
+        .basic_consume(
+            queue.as_str().into(),
+            "ceiling".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await?;
+    let mut started = None;
+    for _ in 0..n {
+        let delivery = consumer.next().await.context("consumer ended")??;
+        started.get_or_insert_with(Instant::now);
+        delivery.ack(BasicAckOptions::default()).await?;
+    }
+    let elapsed = started.map(|s| s.elapsed()).unwrap_or_default();
+    delete_queue(&conn, &queue).await?;
+    let _ = conn.close(200, "bench done".into()).await;
+    Ok(f64::from(n) / elapsed.as_secs_f64())
+}
+
+/// A new durable quorum queue `bench-<random>.<what>` holding `n` small
+/// messages, every publish confirmed. Returns its name.
+pub(super) async fn fill_queue(conn: &Connection, n: u32, what: &str) -> anyhow::Result<String> {
     let channel = conn.create_channel().await?;
     channel
         .confirm_select(ConfirmSelectOptions::default())
         .await?;
     let queue = format!(
-        "bench-{}.ceiling",
+        "bench-{}.{what}",
         &uuid::Uuid::new_v4().simple().to_string()[..8]
     );
     let mut args = FieldTable::default();
@@ -124,30 +152,15 @@ async fn bare_consume_ack(base: &Config, n: u32) -> anyhow::Result<f64> {
     while let Some(confirm) = pending.next().await {
         confirm?;
     }
-    let consumer_channel = conn.create_channel().await?;
-    consumer_channel
-        .basic_qos(base.concurrency, BasicQosOptions::default())
+    Ok(queue)
+}
+
+pub(super) async fn delete_queue(conn: &Connection, queue: &str) -> anyhow::Result<()> {
+    conn.create_channel()
+        .await?
+        .queue_delete(queue.into(), QueueDeleteOptions::default())
         .await?;
-    let mut consumer = consumer_channel
-        .basic_consume(
-            queue.as_str().into(),
-            "ceiling".into(),
-            BasicConsumeOptions::default(),
-            FieldTable::default(),
-        )
-        .await?;
-    let mut started = None;
-    for _ in 0..n {
-        let delivery = consumer.next().await.context("consumer ended")??;
-        started.get_or_insert_with(Instant::now);
-        delivery.ack(BasicAckOptions::default()).await?;
-    }
-    let elapsed = started.map(|s| s.elapsed()).unwrap_or_default();
-    channel
-        .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
-        .await?;
-    let _ = conn.close(200, "bench done".into()).await;
-    Ok(f64::from(n) / elapsed.as_secs_f64())
+    Ok(())
 }
 
 /// Calls Redis has executed so far of each command whose name `counted`
@@ -182,13 +195,19 @@ pub async fn client_round_trips(redis: &Redis) -> anyhow::Result<u64> {
     .await
 }
 
-struct ThroughputRun {
-    jobs_per_s: f64,
-    round_trips_per_job: f64,
-    jobs_per_cpu_second: f64,
+pub(super) struct ThroughputRun {
+    pub jobs_per_s: f64,
+    pub round_trips_per_job: f64,
+    pub jobs_per_cpu_second: f64,
 }
 
-async fn tollgate_process(base: &Config, n: u32) -> anyhow::Result<ThroughputRun> {
+/// One tollgate worker process (with `extra` environment) through `n` jobs
+/// of 8 tenants with an unlimited quota and an instant provider.
+pub(super) async fn tollgate_process(
+    base: &Config,
+    n: u32,
+    extra: &[(&str, &str)],
+) -> anyhow::Result<ThroughputRun> {
     let mut rig = Rig::new(base, always_ok()).await?;
     let tenants: Vec<String> = (0..TENANTS).map(|i| format!("bench-{i}")).collect();
     for t in &tenants {
@@ -200,7 +219,7 @@ async fn tollgate_process(base: &Config, n: u32) -> anyhow::Result<ThroughputRun
     }
     let total = (per_tenant * TENANTS) as usize;
     let redis = Redis::new(&rig.config.redis_settings())?;
-    let worker = rig.spawn_process(&[]).await?;
+    let worker = rig.spawn_process(extra).await?;
     let (cpu_before, trips_before) = (
         rig::cpu_seconds(worker.pid)?,
         client_round_trips(&redis).await?,

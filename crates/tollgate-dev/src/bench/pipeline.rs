@@ -1,0 +1,164 @@
+//! tollgate against the minimal pipeline, at prefetch 4, 16, 64 and 256.
+//! The minimal pipeline is the least any worker must do per job: consume,
+//! one Redis `EVALSHA`, POST to the provider, ack, as a bare loop with that
+//! many deliveries in flight. It runs on the same broker, Redis and local
+//! provider as one tollgate worker process with `TOLLGATE_CONCURRENCY` and
+//! `TOLLGATE_PREFETCH` both set to that number. That is the honest ceiling
+//! for this work; a bare consume→ack loop is not.
+
+use std::time::Instant;
+
+use anyhow::Context;
+use futures::{StreamExt, TryStreamExt};
+use serde_json::json;
+use tollgate_amqp::lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions};
+use tollgate_amqp::lapin::types::FieldTable;
+use tollgate_amqp::lapin::{Connection, ConnectionProperties};
+use tollgate_quota::{Redis, Script};
+
+use super::throughput::{delete_queue, fill_queue, tollgate_process};
+use super::{BenchArgs, Figure, Scenario, progress};
+use crate::fake_provider::{FakeProvider, always_ok};
+use tollgate::config::Config;
+
+/// The prefetch values measured, with their scenario keys and titles.
+const POINTS: [(u16, &str, &str); 4] = [
+    (4, "pipeline_p4", "Minimal pipeline vs tollgate: prefetch 4"),
+    (
+        16,
+        "pipeline_p16",
+        "Minimal pipeline vs tollgate: prefetch 16",
+    ),
+    (
+        64,
+        "pipeline_p64",
+        "Minimal pipeline vs tollgate: prefetch 64",
+    ),
+    (
+        256,
+        "pipeline_p256",
+        "Minimal pipeline vs tollgate: prefetch 256",
+    ),
+];
+
+/// The one Redis call of the minimal pipeline: a counter per run, about
+/// what the smallest rate limiter does.
+const PERMIT_LUA: &str =
+    "local n = redis.call('INCR', KEYS[1]) redis.call('PEXPIRE', KEYS[1], 60000) return n";
+
+/// Runs the prefetch values whose key `wanted` accepts.
+pub async fn run(
+    base: &Config,
+    args: &BenchArgs,
+    wanted: impl Fn(&str) -> bool,
+) -> anyhow::Result<Vec<Scenario>> {
+    let mut out = Vec::new();
+    for (prefetch, key, title) in POINTS {
+        if !wanted(key) {
+            continue;
+        }
+        let (mut minimal, mut tollgate, mut trips) = (vec![], vec![], vec![]);
+        for i in 1..=args.runs {
+            progress(&format!(
+                "pipeline prefetch {prefetch} {i}/{}: minimal pipeline, {} jobs",
+                args.runs, args.jobs
+            ));
+            minimal.push(minimal_pipeline(base, args.jobs, prefetch).await?);
+            progress(&format!(
+                "pipeline prefetch {prefetch} {i}/{}: one tollgate worker process, {} jobs",
+                args.runs, args.jobs
+            ));
+            let p = prefetch.to_string();
+            let run = tollgate_process(
+                base,
+                args.jobs,
+                &[("TOLLGATE_CONCURRENCY", &p), ("TOLLGATE_PREFETCH", &p)],
+            )
+            .await?;
+            tollgate.push(run.jobs_per_s);
+            trips.push(run.round_trips_per_job);
+        }
+        let ratios = tollgate.iter().zip(&minimal).map(|(t, m)| t / m).collect();
+        out.push(Scenario {
+            key,
+            title,
+            parameters: json!({
+                "jobs": args.jobs, "runs": args.runs, "prefetch": prefetch,
+                "minimal_pipeline": "consume → one EVALSHA (INCR + PEXPIRE) → POST → ack, \
+                    `prefetch` jobs in flight, in the bench process",
+                "tollgate": "one worker process, TOLLGATE_CONCURRENCY = TOLLGATE_PREFETCH = prefetch, \
+                    unlimited quota, 8 tenants",
+                "provider": "local, answers 200 at once", "queue_type": "quorum",
+            }),
+            figures: vec![
+                Figure::new("minimal pipeline", "jobs/s", minimal),
+                Figure::new("tollgate, one worker", "jobs/s", tollgate),
+                Figure::new("tollgate / minimal pipeline", "ratio", ratios).target(">= 0.8"),
+                Figure::new("tollgate: Redis round trips per job", "calls", trips)
+                    .target("<= 1.0 at prefetch >= 16"),
+            ],
+        });
+    }
+    Ok(out)
+}
+
+/// Jobs/s of the minimal pipeline over `n` jobs with `prefetch` in flight.
+async fn minimal_pipeline(base: &Config, n: u32, prefetch: u16) -> anyhow::Result<f64> {
+    let provider = FakeProvider::start(always_ok()).await?;
+    let url = format!("{}/send", provider.url());
+    let conn = Connection::connect(base.amqp_url.expose(), ConnectionProperties::default())
+        .await
+        .context("connecting to RabbitMQ")?;
+    let queue = fill_queue(&conn, n, "minimal").await?;
+    let redis = Redis::new(&base.redis_settings())?;
+    let script = Script::new(PERMIT_LUA);
+    let counter = format!("{queue}:permits");
+    let http = reqwest::Client::new();
+    let channel = conn.create_channel().await?;
+    channel
+        .basic_qos(prefetch, BasicQosOptions::default())
+        .await?;
+    let consumer = channel
+        .basic_consume(
+            queue.as_str().into(),
+            "minimal".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await?;
+    let mut started = None;
+    consumer
+        .take(n as usize)
+        .map(|delivery| {
+            started.get_or_insert_with(Instant::now);
+            delivery.context("consuming")
+        })
+        .try_for_each_concurrent(usize::from(prefetch), |delivery| {
+            let (redis, script, counter, http, url) = (&redis, &script, &counter, &http, &url);
+            async move {
+                let mut r = redis.conn().await?;
+                let permit: i64 = script.key(counter).invoke_async(&mut r).await?;
+                let status = http
+                    .post(url)
+                    .header("x-tollgate-tenant", "minimal")
+                    .header("idempotency-key", permit.to_string())
+                    .body(delivery.data.clone())
+                    .send()
+                    .await?
+                    .status();
+                anyhow::ensure!(status.is_success(), "the provider answered {status}");
+                delivery.ack(BasicAckOptions::default()).await?;
+                Ok(())
+            }
+        })
+        .await?;
+    let elapsed = started.map(|s| s.elapsed()).unwrap_or_default();
+    let mut redis_conn = redis.conn().await?;
+    let _: i64 = tollgate_quota::redis_cmd("DEL")
+        .arg(&counter)
+        .query_async(&mut redis_conn)
+        .await?;
+    delete_queue(&conn, &queue).await?;
+    let _ = conn.close(200, "bench done".into()).await;
+    Ok(f64::from(n) / elapsed.as_secs_f64())
+}
