@@ -33,7 +33,7 @@ pub use redis::{Script, cmd as redis_cmd};
 /// Errors from the Redis adapters. Callers act on one distinction: the
 /// store could not be reached (fail closed, retry later) versus it answered
 /// something that makes no sense (a bug or a corrupted key).
-#[derive(Debug, thiserror::Error)]
+#[derive(Clone, Debug, thiserror::Error)]
 pub enum QuotaError {
     #[error("redis is unreachable: {0}")]
     Unavailable(String),

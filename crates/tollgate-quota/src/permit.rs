@@ -14,10 +14,11 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use redis::Script;
+use tokio::sync::{mpsc, oneshot};
 use tollgate_core::ports::{Penalty, PermitRequest, PermitStore, ThrottleScope};
 use tollgate_core::{Kind, PermitDecision, Priority, Quota, Shadow, TenantId};
 
@@ -327,6 +328,57 @@ pub struct RedisPermits {
     permit: Script,
     complete: Script,
     local: Mutex<HashMap<LocalKey, Arc<KeyState>>>,
+    /// Where completions queue for [`complete_in_batches`] (started with the
+    /// first one, inside the runtime).
+    completions: OnceLock<mpsc::UnboundedSender<Completion>>,
+}
+
+/// Completions per script call, at most.
+const COMPLETE_BATCH_MAX: usize = 128;
+
+/// One job's completion: the keys and arguments of its group in
+/// `complete.lua`, and who waits for the call that carries it.
+struct Completion {
+    keys: [String; 5],
+    args: [String; 7],
+    done: oneshot::Sender<Result<(), QuotaError>>,
+}
+
+/// Sends completions to Redis in batches: whatever queued while one call
+/// was in flight goes in the next, so an idle pod waits for nothing and a
+/// busy one makes one round trip for many jobs. Each job is told the result
+/// of the call that carried its own record, so "acked only after the sent
+/// record is written" holds per job, as before. Ends when the permit store
+/// is dropped.
+async fn complete_in_batches(
+    redis: Arc<Redis>,
+    script: Script,
+    mut queue: mpsc::UnboundedReceiver<Completion>,
+) {
+    let mut batch = Vec::with_capacity(COMPLETE_BATCH_MAX);
+    while queue.recv_many(&mut batch, COMPLETE_BATCH_MAX).await > 0 {
+        let mut invocation = script.prepare_invoke();
+        for c in &batch {
+            for key in &c.keys {
+                invocation.key(key);
+            }
+            for arg in &c.args {
+                invocation.arg(arg);
+            }
+        }
+        let result = match redis.conn().await {
+            Ok(mut conn) => invocation
+                .invoke_async::<i64>(&mut conn)
+                .await
+                .map(drop)
+                .map_err(|e| redis.classify(e)),
+            Err(e) => Err(e),
+        };
+        for c in batch.drain(..) {
+            // The job may have stopped waiting; its record is written anyway.
+            let _ = c.done.send(result.clone());
+        }
+    }
 }
 
 /// What the pod's cache is kept by: each priority class has its own line.
@@ -363,7 +415,20 @@ impl RedisPermits {
             permit: Script::new(PERMIT_LUA),
             complete: Script::new(COMPLETE_LUA),
             local: Mutex::new(HashMap::new()),
+            completions: OnceLock::new(),
         }
+    }
+
+    fn completions(&self) -> &mpsc::UnboundedSender<Completion> {
+        self.completions.get_or_init(|| {
+            let (queue, batches) = mpsc::unbounded_channel();
+            tokio::spawn(complete_in_batches(
+                Arc::clone(&self.redis),
+                self.complete.clone(),
+                batches,
+            ));
+            queue
+        })
     }
 
     /// One call of the permit script. `now_micros` replaces Redis `TIME`;
@@ -454,24 +519,29 @@ impl RedisPermits {
             Some(ThrottleScope::Route) => "route",
             _ => "tenant",
         };
-        let mut conn = self.redis.conn().await?;
-        self.complete
-            .key(self.keys.sent(req.tenant, req.key))
-            .key(self.keys.lease(req.tenant, req.key))
-            .key(self.keys.in_flight(req.tenant))
-            .key(self.keys.penalty(req.tenant))
-            .key(self.keys.route_penalty(req.route))
-            .arg(req.lease_token)
-            .arg(if sent { "1" } else { "0" })
-            .arg(self.settings.sent_ttl.as_millis() as u64)
-            .arg(req.job_id.as_str())
-            .arg(penalty.map(|p| micros(p.wait)).unwrap_or(0))
-            .arg(now_micros.map(|n| n.to_string()).unwrap_or_default())
-            .arg(scope)
-            .invoke_async::<i64>(&mut conn)
-            .await
-            .map(drop)
-            .map_err(|e| self.redis.classify(e))
+        let (done, result) = oneshot::channel();
+        let completion = Completion {
+            keys: [
+                self.keys.sent(req.tenant, req.key),
+                self.keys.lease(req.tenant, req.key),
+                self.keys.in_flight(req.tenant),
+                self.keys.penalty(req.tenant),
+                self.keys.route_penalty(req.route),
+            ],
+            args: [
+                req.lease_token.to_owned(),
+                if sent { "1" } else { "0" }.to_owned(),
+                self.settings.sent_ttl.as_millis().to_string(),
+                req.job_id.as_str().to_owned(),
+                penalty.map(|p| micros(p.wait)).unwrap_or(0).to_string(),
+                now_micros.map(|n| n.to_string()).unwrap_or_default(),
+                scope.to_owned(),
+            ],
+            done,
+        };
+        let stopped = || QuotaError::Unavailable("the completion batcher stopped".into());
+        self.completions().send(completion).map_err(|_| stopped())?;
+        result.await.unwrap_or_else(|_| Err(stopped()))
     }
 
     fn state(&self, key: &LocalKey) -> Arc<KeyState> {
