@@ -257,7 +257,11 @@ local function route_share()
     changed = now
     redis.call('HSET', route_weights_key, 'total', string.format('%.6f', total), 'changed', string.format('%.0f', now))
   end
-  return {math.ceil(route[1] * total / w), 1, changed}
+  -- 1 % wider than an exact division: with the shares summing to exactly
+  -- the route's rate, a job that loses a race for a route slot is late for
+  -- good, as the route never has a slot to spare, and the tenant that asks
+  -- later (the one with fewer jobs in any window) falls behind its share.
+  return {math.ceil(route[1] * total / w * 1.01), 1, changed}
 end
 
 local tenant_tat = load_tat(tenant_tat_key, tenant)
@@ -316,11 +320,12 @@ if share and not remaining and not route_idle then
   if at and at > now + reserve then share_ahead = at end
 end
 -- A job back early (a hop) for a place on its share line waits for it,
--- re-spaced if the shares changed, even when the route's bucket is free:
--- the route's next slots may be other tenants' places. (A place on the
--- tenant's own line has the tenant's spacing.)
+-- re-spaced if the shares changed, even when the route's bucket is free or
+-- idle: the route's next slots may be other tenants' places, and a slot
+-- left idle should go to a job that is behind its place, not ahead of it.
+-- (A place on the tenant's own line has the tenant's spacing.)
 local returning_iv = tonumber(returning_interval_us)
-if share and remaining and returning_iv and math.abs(returning_iv - tenant[1]) > 1 and not route_idle then
+if share and remaining and returning_iv and math.abs(returning_iv - tenant[1]) > 1 then
   local place = respace(now + remaining, returning_iv, share)
   if place - now > reserve then
     count_on_route()
