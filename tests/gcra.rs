@@ -451,6 +451,21 @@ async fn route_of_30_per_second(quotas: &QuotaStore) -> Kind {
     route
 }
 
+/// The sends in time order, after checking that every one of `jobs` was
+/// sent once and no two sends of the 30/s route are closer than its interval.
+fn sorted_within_the_route(mut sends: Vec<(u64, usize)>, jobs: usize) -> Vec<(u64, usize)> {
+    sends.sort();
+    assert_eq!(sends.len(), jobs, "every job is sent once");
+    let interval = 1_000_000 / 30;
+    for w in sends.windows(2) {
+        assert!(
+            w[1].0 - w[0].0 >= interval,
+            "two sends of the route closer than {interval} µs: {w:?}"
+        );
+    }
+    sends
+}
+
 /// Three tenants with backlogs share a route of 30/s (their own quotas are
 /// far above it) with weights 1, 2 and 3. While all three have work, the
 /// route's sends divide 1 : 2 : 3; the route's limit holds throughout, and
@@ -482,16 +497,7 @@ fn a_shared_route_divides_among_its_tenants_by_weight() {
         quotas.purge_prefix().await.unwrap();
         (sends, jobs)
     });
-    let mut sends = sends;
-    sends.sort();
-    assert_eq!(sends.len(), jobs.len(), "every job is sent once");
-    let interval = 1_000_000 / 30;
-    for w in sends.windows(2) {
-        assert!(
-            w[1].0 - w[0].0 >= interval,
-            "two sends of the route closer than {interval} µs: {w:?}"
-        );
-    }
+    let sends = sorted_within_the_route(sends, jobs.len());
     // While all three have work: until the first of them is done.
     let tenant_of = |i: usize| i % weights.len();
     let first_done = (0..weights.len())
@@ -539,15 +545,7 @@ fn a_quiet_tenant_is_not_queued_behind_a_backlog_on_a_shared_route() {
         quotas.purge_prefix().await.unwrap();
         (sends, jobs)
     });
-    let mut sends = sends;
-    sends.sort();
-    assert_eq!(sends.len(), jobs.len(), "every job is sent once");
-    for w in sends.windows(2) {
-        assert!(
-            w[1].0 - w[0].0 >= 1_000_000 / 30,
-            "the route's limit: {w:?}"
-        );
-    }
+    let sends = sorted_within_the_route(sends, jobs.len());
     for (k, &(sent, i)) in sends.iter().enumerate() {
         if i < backlog as usize {
             continue;

@@ -11,12 +11,11 @@ use std::time::Instant;
 use anyhow::Context;
 use futures::{StreamExt, TryStreamExt};
 use serde_json::json;
-use tollgate_amqp::lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions};
-use tollgate_amqp::lapin::types::FieldTable;
+use tollgate_amqp::lapin::options::BasicAckOptions;
 use tollgate_amqp::lapin::{Connection, ConnectionProperties};
 use tollgate_quota::{Redis, Script};
 
-use super::throughput::{delete_queue, fill_queue, tollgate_process};
+use super::throughput::{consume, delete_queue, fill_queue, tollgate_process};
 use super::{BenchArgs, Figure, Scenario, progress};
 use crate::fake_provider::{FakeProvider, always_ok};
 use tollgate::config::Config;
@@ -114,18 +113,7 @@ async fn minimal_pipeline(base: &Config, n: u32, prefetch: u16) -> anyhow::Resul
     let script = Script::new(PERMIT_LUA);
     let counter = format!("{queue}:permits");
     let http = reqwest::Client::new();
-    let channel = conn.create_channel().await?;
-    channel
-        .basic_qos(prefetch, BasicQosOptions::default())
-        .await?;
-    let consumer = channel
-        .basic_consume(
-            queue.as_str().into(),
-            "minimal".into(),
-            BasicConsumeOptions::default(),
-            FieldTable::default(),
-        )
-        .await?;
+    let consumer = consume(&conn, &queue, prefetch).await?;
     let mut started = None;
     consumer
         .take(n as usize)

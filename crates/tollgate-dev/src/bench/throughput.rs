@@ -82,18 +82,7 @@ async fn bare_consume_ack(base: &Config, n: u32) -> anyhow::Result<f64> {
         .await
         .context("connecting to RabbitMQ")?;
     let queue = fill_queue(&conn, n, "ceiling").await?;
-    let consumer_channel = conn.create_channel().await?;
-    consumer_channel
-        .basic_qos(base.concurrency, BasicQosOptions::default())
-        .await?;
-    let mut consumer = consumer_channel
-        .basic_consume(
-            queue.as_str().into(),
-            "ceiling".into(),
-            BasicConsumeOptions::default(),
-            FieldTable::default(),
-        )
-        .await?;
+    let mut consumer = consume(&conn, &queue, base.concurrency).await?;
     let mut started = None;
     for _ in 0..n {
         let delivery = consumer.next().await.context("consumer ended")??;
@@ -153,6 +142,27 @@ pub(super) async fn fill_queue(conn: &Connection, n: u32, what: &str) -> anyhow:
         confirm?;
     }
     Ok(queue)
+}
+
+/// A consumer of `queue` on a new channel holding at most `prefetch`
+/// unacked deliveries.
+pub(super) async fn consume(
+    conn: &Connection,
+    queue: &str,
+    prefetch: u16,
+) -> anyhow::Result<tollgate_amqp::lapin::Consumer> {
+    let channel = conn.create_channel().await?;
+    channel
+        .basic_qos(prefetch, BasicQosOptions::default())
+        .await?;
+    Ok(channel
+        .basic_consume(
+            queue.into(),
+            "bench".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await?)
 }
 
 pub(super) async fn delete_queue(conn: &Connection, queue: &str) -> anyhow::Result<()> {
