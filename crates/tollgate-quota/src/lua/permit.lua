@@ -294,139 +294,140 @@ local function count_on_route()
   end
 end
 
--- The tenant's lines, in the order they are served: high, normal, low.
-local lines = {tenant_waiting_high_key, tenant_waiting_key, tenant_waiting_low_key}
-local rank = ({high = 1, normal = 2, low = 3})[priority] or 2
-local remaining = tonumber(returning_remaining_us)
+-- The decision itself, once the route's shares are known; every outcome
+-- counts the tenant among the route's tenants with work (below).
+local function decide()
+  -- The tenant's lines, in the order they are served: high, normal, low.
+  local lines = {tenant_waiting_high_key, tenant_waiting_key, tenant_waiting_low_key}
+  local rank = ({high = 1, normal = 2, low = 3})[priority] or 2
+  local remaining = tonumber(returning_remaining_us)
 
--- Places already handed out beyond a bucket's TAT are jobs parked for them.
--- A fresh job waits behind the places of its own class and of the classes
--- served before it; a job back for its place, behind those of the classes
--- served before it only. Returns the furthest such place, if beyond tat.
-local function line_ahead(keys, last, tat, b)
-  local furthest = nil
-  for i = 1, last do
-    local at = line_at(keys[i], b)
-    if at and at > tat and (not furthest or at > furthest) then furthest = at end
+  -- Places already handed out beyond a bucket's TAT are jobs parked for them.
+  -- A fresh job waits behind the places of its own class and of the classes
+  -- served before it; a job back for its place, behind those of the classes
+  -- served before it only. Returns the furthest such place, if beyond tat.
+  local function line_ahead(keys, last, tat, b)
+    local furthest = nil
+    for i = 1, last do
+      local at = line_at(keys[i], b)
+      if at and at > tat and (not furthest or at > furthest) then furthest = at end
+    end
+    return furthest
   end
-  return furthest
-end
-local tenant_line = line_ahead(lines, remaining and rank - 1 or rank, tenant_tat, tenant)
--- A fresh job takes the tenant's share of the route in turn: it waits while
--- the next place of the tenant's share is beyond its window.
-local share_ahead = nil
-if share and not remaining and not route_idle then
-  local at = line_at(route_share_key, share)
-  if at and at > now + reserve then share_ahead = at end
-end
--- A job back early (a hop) for a place on its share line waits for it,
--- re-spaced if the shares changed, even when the route's bucket is free or
--- idle: the route's next slots may be other tenants' places, and a slot
--- left idle should go to a job that is behind its place, not ahead of it.
--- (A place on the tenant's own line has the tenant's spacing.)
-local returning_iv = tonumber(returning_interval_us)
-if share and remaining and returning_iv and math.abs(returning_iv - tenant[1]) > 1 then
-  local place = respace(now + remaining, returning_iv, share)
-  if place - now > reserve then
-    count_on_route()
-    return {1, math.ceil(place - now), math.floor(share[1]), 1, 1}
+  local tenant_line = line_ahead(lines, remaining and rank - 1 or rank, tenant_tat, tenant)
+  -- A fresh job takes the tenant's share of the route in turn: it waits while
+  -- the next place of the tenant's share is beyond its window.
+  local share_ahead = nil
+  if share and not remaining and not route_idle then
+    local at = line_at(route_share_key, share)
+    if at and at > now + reserve then share_ahead = at end
   end
-end
-
-local n = tonumber(denial_slots)
-if delay > reserve or route_delay > reserve or tenant_line or share_ahead then
-  -- Queue on whichever side is further out: the tenant's own lines, or its
-  -- share line on the route (places there are send times, from when the
-  -- route's bucket allows one). Only that side's line moves.
-  local b, b_tat, b_lines, b_rank, b_ahead = tenant, tenant_tat, lines, rank, tenant_line
-  local tenant_far = math.max(delay, (tenant_line or now) - now)
-  if share and math.max(route_delay, (share_ahead or now) - now) > tenant_far then
-    b, b_tat, b_lines, b_rank, b_ahead = share, now + route_delay, {route_share_key}, 1, nil
-  end
-  if remaining then
-    -- Back from (a hop of) its wait: keep the place, re-spaced like the line
-    -- if the quota changed since it was given. (`place` is when to come
-    -- back: `reserve` before the slot itself.)
-    local place = respace(now + remaining, tonumber(returning_interval_us), b)
+  -- A job back early (a hop) for a place on its share line waits for it,
+  -- re-spaced if the shares changed, even when the route's bucket is free or
+  -- idle: the route's next slots may be other tenants' places, and a slot
+  -- left idle should go to a job that is behind its place, not ahead of it.
+  -- (A place on the tenant's own line has the tenant's spacing.)
+  local returning_iv = tonumber(returning_interval_us)
+  if share and remaining and returning_iv and math.abs(returning_iv - tenant[1]) > 1 then
+    local place = respace(now + remaining, returning_iv, share)
     if place - now > reserve then
-      count_on_route()
-      return {1, math.ceil(place - now), math.floor(b[1]), 1, 1}
+      return {1, math.ceil(place - now), math.floor(share[1]), 1, 1}
     end
-    if b_ahead then
-      -- Its place has come, but places of a class served first are still
-      -- out: it goes right after them, ahead of its own class's line.
-      place = math.max(b_ahead - b[1] * (b[2] - 1), penalty) - reserve
-      -- Their jobs have not come for them yet: look again a slot later,
-      -- never at once (their places pass with time).
-      if place <= now then place = now + b[1] end
-      count_on_route()
-      return {1, math.ceil(place - now), math.floor(b[1]), 1, 1}
-    end
-    if b == share then
-      -- Its share's place has come and the route is busy past the window
-      -- (other tenants' places fell close together): it keeps its turn and
-      -- asks again as the route frees.
-      count_on_route()
-      return {1, math.ceil(math.max(route_delay - reserve, route[1])), math.floor(b[1]), 1, 1}
-    end
-    -- Its slot went to another job (it came back late, or a reservation
-    -- took it): the back of its line. Moving it to the front instead would
-    -- shift every place behind it by as much, each costing a round trip
-    -- (measured: 200 tenants × 20 jobs drained in 27 s instead of 13 s).
   end
-  local retry = waiting_slots(b_lines, b_rank, b_tat, b, n)
-  count_on_route()
-  return {1, math.ceil(retry), math.floor(b[1]), n, 0}
-end
 
-local concurrency = tonumber(q[4])
-if concurrency and concurrency > 0 then
-  redis.call('ZREMRANGEBYSCORE', tenant_in_flight_key, '-inf', now)
-  if redis.call('ZCARD', tenant_in_flight_key) >= concurrency then
-    count_on_route()
-    return {6, tonumber(concurrency_retry_us)}
+  local n = tonumber(denial_slots)
+  if delay > reserve or route_delay > reserve or tenant_line or share_ahead then
+    -- Queue on whichever side is further out: the tenant's own lines, or its
+    -- share line on the route (places there are send times, from when the
+    -- route's bucket allows one). Only that side's line moves.
+    local b, b_tat, b_lines, b_rank, b_ahead = tenant, tenant_tat, lines, rank, tenant_line
+    local tenant_far = math.max(delay, (tenant_line or now) - now)
+    if share and math.max(route_delay, (share_ahead or now) - now) > tenant_far then
+      b, b_tat, b_lines, b_rank, b_ahead = share, now + route_delay, {route_share_key}, 1, nil
+    end
+    if remaining then
+      -- Back from (a hop of) its wait: keep the place, re-spaced like the line
+      -- if the quota changed since it was given. (`place` is when to come
+      -- back: `reserve` before the slot itself.)
+      local place = respace(now + remaining, tonumber(returning_interval_us), b)
+      if place - now > reserve then
+          return {1, math.ceil(place - now), math.floor(b[1]), 1, 1}
+      end
+      if b_ahead then
+        -- Its place has come, but places of a class served first are still
+        -- out: it goes right after them, ahead of its own class's line.
+        place = math.max(b_ahead - b[1] * (b[2] - 1), penalty) - reserve
+        -- Their jobs have not come for them yet: look again a slot later,
+        -- never at once (their places pass with time).
+        if place <= now then place = now + b[1] end
+          return {1, math.ceil(place - now), math.floor(b[1]), 1, 1}
+      end
+      if b == share then
+        -- Its share's place has come and the route is busy past the window
+        -- (other tenants' places fell close together): it keeps its turn and
+        -- asks again as the route frees.
+          return {1, math.ceil(math.max(route_delay - reserve, route[1])), math.floor(b[1]), 1, 1}
+      end
+      -- Its slot went to another job (it came back late, or a reservation
+      -- took it): the back of its line. Moving it to the front instead would
+      -- shift every place behind it by as much, each costing a round trip
+      -- (measured: 200 tenants × 20 jobs drained in 27 s instead of 13 s).
+    end
+    local retry = waiting_slots(b_lines, b_rank, b_tat, b, n)
+    return {1, math.ceil(retry), math.floor(b[1]), n, 0}
   end
+
+  local concurrency = tonumber(q[4])
+  if concurrency and concurrency > 0 then
+    redis.call('ZREMRANGEBYSCORE', tenant_in_flight_key, '-inf', now)
+    if redis.call('ZCARD', tenant_in_flight_key) >= concurrency then
+      return {6, tonumber(concurrency_retry_us)}
+    end
+  end
+
+  -- Granted: the send happens at `send`; each bucket's next slot counts from it.
+  if route_delay > delay then delay = route_delay end
+  delay = math.ceil(delay)
+  local send = now + delay
+  -- Times are rounded up to whole microseconds: a send is never early.
+  local function advance(tat_key, tat, b)
+    local next_tat = math.ceil(math.max(tat, send) + b[1])
+    redis.call('SET', tat_key, string.format('%d', next_tat), 'PX', math.ceil((next_tat - now) / 1000) + 1000)
+  end
+  advance(tenant_tat_key, tenant_tat, tenant)
+  -- A fresh job took a slot ahead of the places of the classes served after it.
+  if not remaining then make_room(lines, rank, tenant_tat, tenant, 1) end
+  if route then
+    advance(route_tat_key, route_tat, route)
+    -- The send used a place of the tenant's share: the next is a spacing on.
+    -- (A job back for a share place finds the line already past it.)
+    local at = line_at(route_share_key, share)
+    if not at or at < send + share[1] then push_line(route_share_key, send + share[1], share) end
+  end
+
+  local lease_ms = tonumber(lease_ttl_ms) + math.ceil(delay / 1000)
+  redis.call('SET', lease_key, lease_token, 'PX', lease_ms)
+  if concurrency and concurrency > 0 then
+    redis.call('ZADD', tenant_in_flight_key, string.format('%.0f', now + lease_ms * 1000), lease_token)
+    redis.call('PEXPIRE', tenant_in_flight_key, lease_ms + 1000)
+  end
+
+  -- Shadow quota: would it have allowed this send? Computed, never enforced.
+  local verdict = 0
+  local shadow = bucket(q[6], q[7], q[8])
+  if shadow then
+    local stat = tonumber(redis.call('GET', shadow_tat_key)) or send
+    if stat < send then stat = send end
+    local scap = send + shadow[1] * shadow[2]
+    if stat > scap then stat = scap end
+    if stat - shadow[1] * (shadow[2] - 1) <= send then verdict = 1 else verdict = 2 end
+    local snext = math.max(stat, send) + shadow[1]
+    redis.call('SET', shadow_tat_key, string.format('%.0f', snext), 'PX', math.ceil((snext - now) / 1000) + 1000)
+  end
+
+  return {0, delay, verdict, send}
 end
 
--- Granted: the send happens at `send`; each bucket's next slot counts from it.
-if route_delay > delay then delay = route_delay end
-delay = math.ceil(delay)
-local send = now + delay
--- Times are rounded up to whole microseconds: a send is never early.
-local function advance(tat_key, tat, b)
-  local next_tat = math.ceil(math.max(tat, send) + b[1])
-  redis.call('SET', tat_key, string.format('%d', next_tat), 'PX', math.ceil((next_tat - now) / 1000) + 1000)
-end
-advance(tenant_tat_key, tenant_tat, tenant)
--- A fresh job took a slot ahead of the places of the classes served after it.
-if not remaining then make_room(lines, rank, tenant_tat, tenant, 1) end
-if route then
-  advance(route_tat_key, route_tat, route)
-  -- The send used a place of the tenant's share: the next is a spacing on.
-  -- (A job back for a share place finds the line already past it.)
-  local at = line_at(route_share_key, share)
-  if not at or at < send + share[1] then push_line(route_share_key, send + share[1], share) end
-  count_on_route()
-end
-
-local lease_ms = tonumber(lease_ttl_ms) + math.ceil(delay / 1000)
-redis.call('SET', lease_key, lease_token, 'PX', lease_ms)
-if concurrency and concurrency > 0 then
-  redis.call('ZADD', tenant_in_flight_key, string.format('%.0f', now + lease_ms * 1000), lease_token)
-  redis.call('PEXPIRE', tenant_in_flight_key, lease_ms + 1000)
-end
-
--- Shadow quota: would it have allowed this send? Computed, never enforced.
-local verdict = 0
-local shadow = bucket(q[6], q[7], q[8])
-if shadow then
-  local stat = tonumber(redis.call('GET', shadow_tat_key)) or send
-  if stat < send then stat = send end
-  local scap = send + shadow[1] * shadow[2]
-  if stat > scap then stat = scap end
-  if stat - shadow[1] * (shadow[2] - 1) <= send then verdict = 1 else verdict = 2 end
-  local snext = math.max(stat, send) + shadow[1]
-  redis.call('SET', shadow_tat_key, string.format('%.0f', snext), 'PX', math.ceil((snext - now) / 1000) + 1000)
-end
-
-return {0, delay, verdict, send}
+local reply = decide()
+count_on_route()
+return reply
