@@ -606,33 +606,29 @@ pub async fn quota(config: &Config, command: &QuotaCommand, actor: &Actor) -> an
                     "--weight applies to tenants: a route's capacity divides among them by weight"
                 )
             }
-            let Some(rate) = rate else {
-                match weight {
-                    Some(w) if !shadow && concurrency.is_none() => {
-                        let (old, new) = store.apply(&target, Change::SetWeight(*w), actor).await?;
-                        print_change(&target, &old, &new);
-                        return Ok(());
+            let change = match (rate, *weight) {
+                (None, Some(w)) if !shadow && concurrency.is_none() => Change::SetWeight(w),
+                (None, _) => {
+                    bail!("--rate is required (it may be left out only to change --weight alone)")
+                }
+                (Some(rate), _) => {
+                    let quota = parse_quota(rate, *burst)?;
+                    match (shadow, &target) {
+                        (true, Target::Tenant(_)) if weight.is_some() => {
+                            bail!("--weight applies to the enforced quota, not to --shadow")
+                        }
+                        (true, Target::Tenant(_)) => Change::SetShadow(quota),
+                        (true, _) => bail!("--shadow applies to tenants"),
+                        (false, Target::Route(_)) if concurrency.is_some() => {
+                            bail!("--concurrency applies to tenants")
+                        }
+                        (false, _) => Change::SetQuota {
+                            quota,
+                            concurrency: *concurrency,
+                            weight: *weight,
+                        },
                     }
-                    _ => bail!(
-                        "--rate is required (it may be left out only to change --weight alone)"
-                    ),
                 }
-            };
-            let quota = parse_quota(rate, *burst)?;
-            let change = match (shadow, &target) {
-                (true, Target::Tenant(_)) if weight.is_some() => {
-                    bail!("--weight applies to the enforced quota, not to --shadow")
-                }
-                (true, Target::Tenant(_)) => Change::SetShadow(quota),
-                (true, _) => bail!("--shadow applies to tenants"),
-                (false, Target::Route(_)) if concurrency.is_some() => {
-                    bail!("--concurrency applies to tenants")
-                }
-                (false, _) => Change::SetQuota {
-                    quota,
-                    concurrency: *concurrency,
-                    weight: *weight,
-                },
             };
             let (old, new) = store.apply(&target, change, actor).await?;
             print_change(&target, &old, &new);
