@@ -131,8 +131,9 @@ struct Simulated {
 /// Runs jobs through the permit script as workers would, with injected
 /// time: each asks when it arrives; a denied job waits in hops of the
 /// default delay tiers (the largest not longer than what is left, the rest
-/// held) and asks again after each (as a returning job, with the time left
-/// and the spacing it was given), until it is granted. The
+/// held) and asks again after each (as a returning job, with the time left,
+/// the spacing it was given and any place on a share of the route), until
+/// it is granted. The
 /// earliest ask goes first; at a tie, the lowest `tie(job)`, then the lowest
 /// index. Returns (send time µs after T0, job), in the order granted.
 async fn simulate(
@@ -147,8 +148,9 @@ async fn simulate(
         .collect();
     let keys: Vec<IdempotencyKey> = ids.iter().map(IdempotencyKey::from).collect();
     const TIERS_MS: [u64; 6] = [100, 250, 500, 1_000, 5_000, 30_000];
-    /// A job's place: time left (µs) and the spacing it was given.
-    type Place = Option<(u64, Duration)>;
+    /// A job's place: time left (µs), the spacing it was given, and its
+    /// place on its share of the route if it is one.
+    type Place = Option<(u64, Duration, Option<u64>)>;
     // (when it asks next, job, its place).
     let mut asks: Vec<(u64, usize, Place)> = jobs
         .iter()
@@ -166,9 +168,10 @@ async fn simulate(
         let (at, i, place) = asks.remove(next);
         let req = PermitRequest {
             priority: jobs[i].priority,
-            returning: place.map(|(left, interval)| Returning {
+            returning: place.map(|(left, interval, share_place)| Returning {
                 remaining: Duration::from_micros(left),
                 interval: Some(interval),
+                share_place,
             }),
             ..request(&jobs[i].tenant, route, &ids[i], &keys[i])
         };
@@ -177,7 +180,10 @@ async fn simulate(
                 sends.push((at + delay.as_micros() as u64, i));
             }
             Reply::Denied {
-                retry_in, interval, ..
+                retry_in,
+                interval,
+                share,
+                ..
             } => {
                 let wait = retry_in.as_micros() as u64;
                 let hop = TIERS_MS
@@ -186,7 +192,8 @@ async fn simulate(
                     .map(|ms| ms * 1_000)
                     .find(|&t| t <= wait)
                     .unwrap_or(wait);
-                asks.push((at + hop, i, Some((wait - hop, interval))));
+                let share_place = share.map(|s| s.first);
+                asks.push((at + hop, i, Some((wait - hop, interval, share_place))));
             }
             other => panic!("{other:?}"),
         }
@@ -466,14 +473,14 @@ fn sorted_within_the_route(mut sends: Vec<(u64, usize)>, jobs: usize) -> Vec<(u6
     sends
 }
 
-/// Three tenants with backlogs share a route of 30/s (their own quotas are
-/// far above it) with weights 1, 2 and 3. While all three have work, the
-/// route's sends divide 1 : 2 : 3; the route's limit holds throughout, and
-/// every job is sent once.
-#[test]
-fn a_shared_route_divides_among_its_tenants_by_weight() {
+/// Three tenants with backlogs of `per_tenant` jobs share a route of 30/s
+/// (their own quotas are far above it) with weights 1, 2 and 3; tenant t's
+/// jobs arrive one every 0.1 ms from `starts[t]` µs. Checks that the route's
+/// limit holds and every job is sent once; returns each tenant's fraction
+/// of the sends made while all three had work: from the first send of the
+/// last to start to the last send of the first to finish.
+fn shares_by_weight(per_tenant: usize, starts: [u64; 3]) -> [f64; 3] {
     let weights = [1u32, 2, 3];
-    let per_tenant = 90;
     let (sends, jobs) = runtime().block_on(async {
         let (permits, quotas) = stores(Quota::new("1000/s".parse().unwrap(), 1).unwrap());
         let route = route_of_30_per_second(&quotas).await;
@@ -485,12 +492,11 @@ fn a_shared_route_divides_among_its_tenants_by_weight() {
             let change = tollgate_quota::Change::SetWeight(w);
             quotas.apply(&target, change, &test_actor()).await.unwrap();
         }
-        // Their jobs arrive interleaved, one every 0.1 ms.
         let jobs: Vec<Simulated> = (0..per_tenant * weights.len())
             .map(|i| Simulated {
                 tenant: tenants[i % weights.len()].clone(),
                 priority: tollgate_core::Priority::Normal,
-                arrives: i as u64 * 100,
+                arrives: starts[i % weights.len()] + (i / weights.len()) as u64 * 100,
             })
             .collect();
         let sends = simulate(&permits, &route, &jobs, |_| 0).await;
@@ -498,26 +504,50 @@ fn a_shared_route_divides_among_its_tenants_by_weight() {
         (sends, jobs)
     });
     let sends = sorted_within_the_route(sends, jobs.len());
-    // While all three have work: until the first of them is done.
     let tenant_of = |i: usize| i % weights.len();
+    let last_started = (0..weights.len())
+        .map(|t| sends.iter().position(|&(_, i)| tenant_of(i) == t).unwrap())
+        .max()
+        .unwrap();
     let first_done = (0..weights.len())
         .map(|t| sends.iter().rposition(|&(_, i)| tenant_of(i) == t).unwrap())
         .min()
         .unwrap();
-    let mut counts = vec![0usize; weights.len()];
-    for &(_, i) in &sends[..=first_done] {
+    let mut counts = [0usize; 3];
+    for &(_, i) in &sends[last_started..=first_done] {
         counts[tenant_of(i)] += 1;
     }
     let total: usize = counts.iter().sum();
-    let weight_sum: u32 = weights.iter().sum();
-    for (t, &w) in weights.iter().enumerate() {
-        let share = counts[t] as f64 / total as f64;
-        let expected = f64::from(w) / f64::from(weight_sum);
+    counts.map(|c| c as f64 / total as f64)
+}
+
+/// Asserts that each of the weights 1, 2, 3 got its share, 1/6, 2/6, 3/6,
+/// to within 5 % of the sends.
+fn assert_shares_follow_weights(shares: [f64; 3]) {
+    for (w, share) in (1..=3).zip(shares) {
+        let expected = f64::from(w) / 6.0;
         assert!(
             (share - expected).abs() <= 0.05,
-            "tenant of weight {w}: {share:.3} of {total} sends, expected {expected:.3}: {counts:?}"
+            "tenant of weight {w}: {share:.3} of the sends, expected {expected:.3}: {shares:?}"
         );
     }
+}
+
+/// Three tenants whose jobs arrive interleaved share a route by weight
+/// while all three have work.
+#[test]
+fn a_shared_route_divides_among_its_tenants_by_weight() {
+    assert_shares_follow_weights(shares_by_weight(90, [0, 0, 0]));
+}
+
+/// The same when the tenants start one after another, so the sum of the
+/// weights with work changes twice (1, then 3, then 6) while the first
+/// tenants' jobs are parked for places on their lines: every change applies
+/// to every place alike, and the tenant that started first is not left with
+/// a gap in its line.
+#[test]
+fn shares_follow_the_weights_when_tenants_start_one_after_another() {
+    assert_shares_follow_weights(shares_by_weight(150, [0, 1_000_000, 2_000_000]));
 }
 
 /// A tenant with a few jobs on a route shared with a tenant whose backlog

@@ -14,6 +14,8 @@ pub const NOT_BEFORE_MS: &str = "x-tollgate-not-before-ms";
 pub const PARK_REASON: &str = "x-tollgate-park-reason";
 pub const ENQUEUED_MS: &str = "x-tollgate-enqueued-ms";
 pub const SLOT_INTERVAL_US: &str = "x-tollgate-slot-interval-us";
+/// A place on a tenant's share of a route, in the route's virtual time.
+pub const SHARE_PLACE: &str = "x-tollgate-share-place";
 pub const REDELIVERIES: &str = "x-tollgate-redeliveries";
 /// Times in a row Redis (or an eligibility webhook) could not be reached.
 pub const UNAVAILABLE: &str = "x-tollgate-unavailable";
@@ -27,7 +29,7 @@ pub const DETAIL: &str = "x-tollgate-detail";
 pub const DEAD_AT_MS: &str = "x-tollgate-dead-at-ms";
 
 /// Every header tollgate writes.
-pub const ALL: [&str; 12] = [
+pub const ALL: [&str; 13] = [
     REDELIVERIES,
     UNAVAILABLE,
     ATTEMPT,
@@ -37,6 +39,7 @@ pub const ALL: [&str; 12] = [
     PARK_REASON,
     ENQUEUED_MS,
     SLOT_INTERVAL_US,
+    SHARE_PLACE,
     REASON,
     DETAIL,
     DEAD_AT_MS,
@@ -123,6 +126,7 @@ pub fn read_progress(headers: Option<&FieldTable>) -> Result<Progress, Malformed
         park_reason,
         enqueued_at: int(h, ENQUEUED_MS)?.map(UnixMillis),
         slot_interval: int(h, SLOT_INTERVAL_US)?.map(|us| Duration::from_micros(us as u64)),
+        share_place: int(h, SHARE_PLACE)?.and_then(|v| u64::try_from(v).ok()),
         // Earlier copies' unsettled deliveries plus this copy's.
         redeliveries: [int(h, REDELIVERIES)?, int(h, RABBITMQ_DELIVERY_COUNT)?]
             .into_iter()
@@ -151,6 +155,10 @@ pub fn write_progress(headers: &mut FieldTable, progress: &Progress) {
     set(
         SLOT_INTERVAL_US,
         progress.slot_interval.map(|d| d.as_micros() as i64),
+    );
+    set(
+        SHARE_PLACE,
+        progress.share_place.and_then(|v| i64::try_from(v).ok()),
     );
     set(REDELIVERIES, Some(i64::from(progress.redeliveries)));
     set(
@@ -192,6 +200,7 @@ mod tests {
             park_reason: Some(ParkReason::Throttled),
             enqueued_at: Some(UnixMillis(8_000)),
             slot_interval: Some(Duration::from_micros(50_000)),
+            share_place: Some(1_765_000_000_123_456),
             redeliveries: 2,
             unavailable: 3,
         };

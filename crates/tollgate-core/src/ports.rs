@@ -41,6 +41,8 @@ pub struct Returning {
     pub remaining: std::time::Duration,
     /// Spacing its place was computed with.
     pub interval: Option<std::time::Duration>,
+    /// Its place on its tenant's share of a route, as the store gave it.
+    pub share_place: Option<u64>,
 }
 
 /// Whom a provider's 429 pauses, per route.

@@ -90,6 +90,10 @@ pub enum PermitDecision {
         interval: Option<Duration>,
         /// The job kept the place it already had (a hop, not a new wait).
         kept: bool,
+        /// A place on the tenant's share of a route, in the route's virtual
+        /// time (carried with the job and given back as it came, so the
+        /// store can place it however the shares have moved since).
+        share_place: Option<u64>,
     },
     /// The idempotency key is already recorded as sent.
     Duplicate,
@@ -242,6 +246,7 @@ impl JobRun {
         Some(crate::ports::Returning {
             remaining: now.until(self.progress.not_before?),
             interval: self.progress.slot_interval,
+            share_place: self.progress.share_place,
         })
     }
 
@@ -360,8 +365,10 @@ impl JobRun {
                 retry_in,
                 interval,
                 kept,
+                share_place,
             } => {
                 self.progress.slot_interval = interval.or(self.progress.slot_interval);
+                self.progress.share_place = share_place;
                 if kept {
                     // Same wait, maybe re-spaced: a hop, not a new park.
                     self.arrived_waiting = Some((now.saturating_add(retry_in), ParkReason::Quota));
@@ -693,6 +700,7 @@ mod tests {
                 retry_in: Duration::from_millis(7_500),
                 interval: None,
                 kept: false,
+                share_place: None,
             },
             T0,
             0.5,
@@ -716,6 +724,7 @@ mod tests {
             retry_in: Duration::from_millis(2_496),
             interval: Some(Duration::from_millis(100)),
             kept: true,
+            share_place: Some(1_234_567),
         };
         assert_eq!(
             back.on_permit(&p, kept, at(5_004), 0.5),
@@ -730,6 +739,11 @@ mod tests {
         assert_eq!(
             back.progress().slot_interval,
             Some(Duration::from_millis(100))
+        );
+        // A place on a share of a route goes with the job, as it came.
+        assert_eq!(
+            back.returning(at(6_000)).and_then(|r| r.share_place),
+            Some(1_234_567)
         );
         assert_eq!(
             back.next(&p, at(6_600)),
@@ -750,6 +764,7 @@ mod tests {
             retry_in: Duration::from_secs(40),
             interval: Some(Duration::from_millis(200)),
             kept: false,
+            share_place: None,
         };
         // 40 s to wait: the first hop is at most half of it (the 5 s tier
         // of 1, 5, 30, 120 s …).
@@ -763,6 +778,7 @@ mod tests {
             Some(crate::ports::Returning {
                 remaining: Duration::from_millis(34_997),
                 interval: Some(Duration::from_millis(200)),
+                share_place: None,
             })
         );
         assert_eq!(back.next(&p, at(5_003)), Action::AskPermit);
@@ -771,6 +787,7 @@ mod tests {
             retry_in: Duration::from_millis(8_749),
             interval: Some(Duration::from_millis(50)),
             kept: true,
+            share_place: None,
         };
         assert!(matches!(
             back.on_permit(&p, respaced, at(5_003), 0.5),
@@ -1078,6 +1095,7 @@ mod tests {
                 retry_in: Duration::from_millis(800),
                 interval: None,
                 kept: false,
+                share_place: None,
             },
             T0,
             0.5,

@@ -24,7 +24,7 @@ mod store;
 
 pub use conn::{Redis, RedisSettings};
 pub use keys::Keys;
-pub use permit::{PermitSettings, RedisPermits, Reply};
+pub use permit::{PermitSettings, RedisPermits, Reply, SharePlaces};
 pub use store::{Actor, AuditEntry, Cancel, Change, QuotaStore, Settings, Target};
 
 /// Re-exported for tools that talk to the same Redis (bench, tests).

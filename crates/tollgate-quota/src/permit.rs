@@ -146,11 +146,12 @@ struct PermitArgs<'a> {
     reserve_us: u64,
     priority: Priority,
     tenant_name: &'a str,
+    returning_share_place: Option<u64>,
 }
 
 impl PermitArgs<'_> {
     #[cfg(test)]
-    const NAMES: [&'static str; 17] = [
+    const NAMES: [&'static str; 18] = [
         "default_count",
         "default_period_ms",
         "default_burst",
@@ -168,10 +169,11 @@ impl PermitArgs<'_> {
         "reserve_us",
         "priority",
         "tenant_name",
+        "returning_share_place",
     ];
 
     /// In [`PermitArgs::NAMES`] order.
-    fn in_order(&self) -> [String; 17] {
+    fn in_order(&self) -> [String; 18] {
         let optional = |v: Option<u64>| v.map(|v| v.to_string()).unwrap_or_default();
         [
             self.default_count.to_string(),
@@ -191,6 +193,7 @@ impl PermitArgs<'_> {
             self.reserve_us.to_string(),
             self.priority.as_str().to_owned(),
             self.tenant_name.to_owned(),
+            optional(self.returning_share_place),
         ]
     }
 }
@@ -241,6 +244,17 @@ struct Slots {
     interval: Duration,
     left: u32,
     expires: Instant,
+    /// Slots on a share of a route: the next one's place in the route's
+    /// virtual time, and their spacing there.
+    share: Option<SharePlaces>,
+}
+
+/// Places on a tenant's share of a route, in the route's virtual time: the
+/// first and their spacing.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SharePlaces {
+    pub first: u64,
+    pub step: u64,
 }
 
 impl Local {
@@ -263,12 +277,17 @@ impl Local {
         }
         let retry_in = slots.next.saturating_duration_since(now);
         let interval = slots.interval;
+        let share_place = slots.share.map(|s| s.first);
         slots.next += interval;
         slots.left -= 1;
+        if let Some(share) = slots.share.as_mut() {
+            share.first += share.step;
+        }
         Some(PermitDecision::Denied {
             retry_in,
             interval: Some(interval),
             kept: false,
+            share_place,
         })
     }
 
@@ -284,6 +303,7 @@ impl Local {
                 interval,
                 slots,
                 kept,
+                share,
             } => {
                 self.waiting_until = Some(expires);
                 if !kept && slots > 1 {
@@ -292,12 +312,17 @@ impl Local {
                         interval,
                         left: slots - 1,
                         expires,
+                        share: share.map(|s| SharePlaces {
+                            first: s.first + s.step,
+                            step: s.step,
+                        }),
                     });
                 }
                 PermitDecision::Denied {
                     retry_in,
                     interval: Some(interval),
                     kept,
+                    share_place: share.map(|s| s.first),
                 }
             }
             Reply::Decision(decision) => {
@@ -397,12 +422,14 @@ struct KeyState {
 pub enum Reply {
     Decision(PermitDecision),
     /// Denied, with `slots` virtual slots `interval` apart from `retry_in`;
-    /// `kept` when a returning job kept its place.
+    /// `kept` when a returning job kept its place; `share` when the places
+    /// are on the tenant's share of a route.
     Denied {
         retry_in: Duration,
         interval: Duration,
         slots: u32,
         kept: bool,
+        share: Option<SharePlaces>,
     },
 }
 
@@ -459,6 +486,7 @@ impl RedisPermits {
             reserve_us: micros(req.reserve_within.unwrap_or(s.horizon).min(s.horizon)),
             priority: req.priority,
             tenant_name: req.tenant.as_str(),
+            returning_share_place: req.returning.and_then(|r| r.share_place),
         };
         let mut invocation = self.permit.prepare_invoke();
         for key in PermitKeys::new(&self.keys, &req).in_order() {
@@ -494,6 +522,13 @@ impl RedisPermits {
                     interval: at(2),
                     slots: reply.get(3).copied().unwrap_or(1).max(1) as u32,
                     kept: reply.get(4) == Some(&1),
+                    share: match (reply.get(5), reply.get(6)) {
+                        (Some(&first), Some(&step)) if first > 0 && step > 0 => Some(SharePlaces {
+                            first: first as u64,
+                            step: step as u64,
+                        }),
+                        _ => None,
+                    },
                 });
             }
             Some(2) => PermitDecision::Duplicate,
