@@ -591,3 +591,61 @@ fn a_quiet_tenant_is_not_queued_behind_a_backlog_on_a_shared_route() {
         );
     }
 }
+
+/// Decisions and records asked for at once go to Redis together (one call
+/// carries whatever a pod has waiting) and each job gets its own answer:
+/// with every other one of 40 jobs recorded as sent (the records sent at
+/// once too), the 40 asking at the same instant on a quota of 10/s with
+/// burst 5 get: each recorded job, duplicate; of the other 20, exactly 5
+/// granted and every other one a place of its own.
+#[test]
+fn decisions_asked_at_once_each_get_their_own_answer() {
+    runtime().block_on(async {
+        let (permits, quotas) = stores(Quota::new("10/s".parse().unwrap(), 5).unwrap());
+        let (tenant, route) = (TenantId::parse("acme").unwrap(), Kind::default_kind());
+        let ids: Vec<JobId> = (0..40)
+            .map(|i| JobId::parse(format!("j{i}")).unwrap())
+            .collect();
+        let keys: Vec<IdempotencyKey> = ids.iter().map(IdempotencyKey::from).collect();
+        let fresh = |i: usize| PermitRequest {
+            reserve_within: Some(Duration::ZERO),
+            ..request(&tenant, &route, &ids[i], &keys[i])
+        };
+        let recorded = futures::future::join_all(
+            (0..ids.len())
+                .step_by(2)
+                .map(|i| permits.record(fresh(i), true, None, Some(T0))),
+        )
+        .await;
+        assert!(recorded.into_iter().all(|r| r.is_ok()));
+
+        let replies = futures::future::join_all(
+            (0..ids.len()).map(|i| permits.decide(fresh(i), 1, Some(T0))),
+        )
+        .await;
+        let mut granted = 0;
+        let mut places = std::collections::HashSet::new();
+        for (i, reply) in replies.into_iter().enumerate() {
+            match reply.unwrap() {
+                Reply::Decision(PermitDecision::Duplicate) => {
+                    assert!(i % 2 == 0, "job {i} was never sent")
+                }
+                other if i % 2 == 0 => panic!("job {i} was sent, and got {other:?}"),
+                Reply::Decision(PermitDecision::Granted { delay, .. }) => {
+                    assert_eq!(delay, Duration::ZERO);
+                    granted += 1;
+                }
+                Reply::Denied { retry_in, .. } => {
+                    assert!(
+                        places.insert(retry_in),
+                        "two jobs got the place {retry_in:?}"
+                    );
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+        assert_eq!(granted, 5, "the burst, no more");
+        assert_eq!(places.len(), 15);
+        quotas.purge_prefix().await.unwrap();
+    });
+}

@@ -1,10 +1,13 @@
-//! [`PermitStore`] on Redis: one `EVALSHA` per decision (falling back to
-//! `EVAL` on `NOSCRIPT` after a restart or failover), time from Redis `TIME`
-//! so the whole fleet shares one clock.
+//! [`PermitStore`] on Redis: `permit.lua` decides, `complete.lua` records,
+//! both through `batch.lua` by `EVALSHA` (falling back to `EVAL` on
+//! `NOSCRIPT` after a restart or failover), time from Redis `TIME` so the
+//! whole fleet shares one clock. A pod's calls are batched: the decisions and
+//! records asked for while one call is in flight go in the next, one round
+//! trip for all of them.
 //!
 //! A small local cache spares Redis the deliveries of a tenant that is
 //! already known to wait. While a tenant flows, every request goes to Redis
-//! (in parallel) and a denial takes one virtual slot. Once Redis has said the
+//! and a denial takes one virtual slot. Once Redis has said the
 //! tenant waits, this pod's fresh requests for it go single file: the first
 //! takes a block of `denial_block` slots, the ones queued behind it use the
 //! rest without a round trip. A slot is only a time to come back and ask
@@ -24,8 +27,14 @@ use tollgate_core::{Kind, PermitDecision, Priority, Quota, Shadow, TenantId};
 
 use crate::{Keys, QuotaError, Redis};
 
-static PERMIT_LUA: &str = crate::lua!("permit.lua");
-static COMPLETE_LUA: &str = crate::lua!("complete.lua");
+/// The permit and completion scripts, called in batches through
+/// `batch.lua`.
+static BATCH_LUA: &str = concat!(
+    include_str!("lua/prelude.lua"),
+    include_str!("lua/complete.lua"),
+    include_str!("lua/permit.lua"),
+    include_str!("lua/batch.lua"),
+);
 
 /// The permit script's keys, by name: the one place the Rust side writes
 /// its positional contract (`permit.lua` binds the same names in the same
@@ -350,39 +359,100 @@ pub struct RedisPermits {
     redis: Arc<Redis>,
     keys: Keys,
     settings: PermitSettings,
-    permit: Script,
-    complete: Script,
+    calls: Batched,
     local: Mutex<HashMap<LocalKey, Arc<KeyState>>>,
-    /// Where completions queue for [`complete_in_batches`] (started with the
-    /// first one, inside the runtime).
-    completions: OnceLock<mpsc::UnboundedSender<Completion>>,
 }
 
-/// Completions per script call, at most.
-const COMPLETE_BATCH_MAX: usize = 128;
+/// Groups per call of `batch.lua`, at most. A call blocks Redis (every
+/// pod) while it runs; a permit decision is a few dozen commands.
+const BATCH_MAX: usize = 64;
 
-/// One job's completion: the keys and arguments of its group in
-/// `complete.lua`, and who waits for the call that carries it.
-struct Completion {
-    keys: [String; 5],
-    args: [String; 7],
-    done: oneshot::Sender<Result<(), QuotaError>>,
+/// What a group of `batch.lua` does.
+#[derive(Clone, Copy, Debug)]
+enum Group {
+    /// A permit decision (`permit.lua`).
+    Permit,
+    /// A completion (`complete.lua`).
+    Complete,
 }
 
-/// Sends completions to Redis in batches: whatever queued while one call
-/// was in flight goes in the next, so an idle pod waits for nothing and a
-/// busy one makes one round trip for many jobs. Each job is told the result
-/// of the call that carried its own record, so "acked only after the sent
-/// record is written" holds per job, as before. Ends when the permit store
-/// is dropped.
-async fn complete_in_batches(
+impl Group {
+    fn letter(self) -> char {
+        match self {
+            Group::Permit => 'p',
+            Group::Complete => 'c',
+        }
+    }
+}
+
+/// One job's group in a batched call: its keys and arguments, and who
+/// waits for its own reply.
+struct Call {
+    group: Group,
+    keys: Vec<String>,
+    args: Vec<String>,
+    done: oneshot::Sender<Result<Vec<i64>, QuotaError>>,
+}
+
+/// The pod's calls of `batch.lua`: whatever permit decisions and
+/// completions queued while one call was in flight go in the next, so an
+/// idle pod waits for nothing and a busy one makes one round trip for many
+/// jobs. Each job gets the reply to its own group, from the call that
+/// carried it: "acked only after the sent record is written" holds per job.
+struct Batched {
+    script: Script,
+    /// Started with the first call, inside the runtime; ends when the
+    /// permit store is dropped.
+    queue: OnceLock<mpsc::UnboundedSender<Call>>,
+}
+
+impl Batched {
+    fn new() -> Self {
+        Self {
+            script: Script::new(BATCH_LUA),
+            queue: OnceLock::new(),
+        }
+    }
+
+    async fn call(
+        &self,
+        redis: &Arc<Redis>,
+        group: Group,
+        keys: Vec<String>,
+        args: Vec<String>,
+    ) -> Result<Vec<i64>, QuotaError> {
+        let queue = self.queue.get_or_init(|| {
+            let (queue, calls) = mpsc::unbounded_channel();
+            tokio::spawn(call_in_batches(
+                Arc::clone(redis),
+                self.script.clone(),
+                calls,
+            ));
+            queue
+        });
+        let (done, reply) = oneshot::channel();
+        let stopped = || QuotaError::Unavailable("the Redis call batcher stopped".into());
+        queue
+            .send(Call {
+                group,
+                keys,
+                args,
+                done,
+            })
+            .map_err(|_| stopped())?;
+        reply.await.unwrap_or_else(|_| Err(stopped()))
+    }
+}
+
+async fn call_in_batches(
     redis: Arc<Redis>,
     script: Script,
-    mut queue: mpsc::UnboundedReceiver<Completion>,
+    mut queue: mpsc::UnboundedReceiver<Call>,
 ) {
-    let mut batch = Vec::with_capacity(COMPLETE_BATCH_MAX);
-    while queue.recv_many(&mut batch, COMPLETE_BATCH_MAX).await > 0 {
+    let mut batch = Vec::with_capacity(BATCH_MAX);
+    while queue.recv_many(&mut batch, BATCH_MAX).await > 0 {
         let mut invocation = script.prepare_invoke();
+        invocation.arg(batch.iter().map(|c| c.group.letter()).collect::<String>());
         for c in &batch {
             for key in &c.keys {
                 invocation.key(key);
@@ -391,17 +461,25 @@ async fn complete_in_batches(
                 invocation.arg(arg);
             }
         }
-        let result = match redis.conn().await {
+        let replies = match redis.conn().await {
             Ok(mut conn) => invocation
-                .invoke_async::<i64>(&mut conn)
+                .invoke_async::<Vec<Vec<i64>>>(&mut conn)
                 .await
-                .map(drop)
                 .map_err(|e| redis.classify(e)),
             Err(e) => Err(e),
         };
-        for c in batch.drain(..) {
-            // The job may have stopped waiting; its record is written anyway.
-            let _ = c.done.send(result.clone());
+        let replies: Vec<_> = match replies {
+            Ok(r) if r.len() == batch.len() => r.into_iter().map(Ok).collect(),
+            Ok(r) => {
+                let e =
+                    QuotaError::BadReply(format!("{} replies to {} calls", r.len(), batch.len()));
+                batch.iter().map(|_| Err(e.clone())).collect()
+            }
+            Err(e) => batch.iter().map(|_| Err(e.clone())).collect(),
+        };
+        for (c, reply) in batch.drain(..).zip(replies) {
+            // The job may have stopped waiting; its call was made anyway.
+            let _ = c.done.send(reply);
         }
     }
 }
@@ -439,26 +517,13 @@ impl RedisPermits {
             redis,
             keys,
             settings,
-            permit: Script::new(PERMIT_LUA),
-            complete: Script::new(COMPLETE_LUA),
+            calls: Batched::new(),
             local: Mutex::new(HashMap::new()),
-            completions: OnceLock::new(),
         }
     }
 
-    fn completions(&self) -> &mpsc::UnboundedSender<Completion> {
-        self.completions.get_or_init(|| {
-            let (queue, batches) = mpsc::unbounded_channel();
-            tokio::spawn(complete_in_batches(
-                Arc::clone(&self.redis),
-                self.complete.clone(),
-                batches,
-            ));
-            queue
-        })
-    }
-
-    /// One call of the permit script. `now_micros` replaces Redis `TIME`;
+    /// One decision of the permit script (batched with the others this pod
+    /// asks for meanwhile). `now_micros` replaces Redis `TIME`;
     /// only tests and tools pass it.
     /// `slots`: virtual slots to take if the job is denied.
     pub async fn decide(
@@ -488,18 +553,11 @@ impl RedisPermits {
             tenant_name: req.tenant.as_str(),
             returning_share_place: req.returning.and_then(|r| r.share_place),
         };
-        let mut invocation = self.permit.prepare_invoke();
-        for key in PermitKeys::new(&self.keys, &req).in_order() {
-            invocation.key(key);
-        }
-        for arg in args.in_order() {
-            invocation.arg(arg);
-        }
-        let mut conn = self.redis.conn().await?;
-        let reply: Vec<i64> = invocation
-            .invoke_async(&mut conn)
-            .await
-            .map_err(|e| self.redis.classify(e))?;
+        let keys = PermitKeys::new(&self.keys, &req).in_order().into();
+        let reply = self
+            .calls
+            .call(&self.redis, Group::Permit, keys, args.in_order().into())
+            .await?;
         let at = |i: usize| Duration::from_micros(reply.get(i).copied().unwrap_or(0).max(0) as u64);
         let decision = match reply.first().copied() {
             Some(0) => PermitDecision::Granted {
@@ -541,7 +599,8 @@ impl RedisPermits {
         Ok(Reply::Decision(decision))
     }
 
-    /// One call of the completion script ([`PermitStore::complete`]).
+    /// One completion ([`PermitStore::complete`]), batched with the others
+    /// this pod records meanwhile.
     /// `now_micros` replaces Redis `TIME`; only tests and tools pass it.
     pub async fn record(
         &self,
@@ -554,29 +613,26 @@ impl RedisPermits {
             Some(ThrottleScope::Route) => "route",
             _ => "tenant",
         };
-        let (done, result) = oneshot::channel();
-        let completion = Completion {
-            keys: [
-                self.keys.sent(req.tenant, req.key),
-                self.keys.lease(req.tenant, req.key),
-                self.keys.in_flight(req.tenant),
-                self.keys.penalty(req.tenant),
-                self.keys.route_penalty(req.route),
-            ],
-            args: [
-                req.lease_token.to_owned(),
-                if sent { "1" } else { "0" }.to_owned(),
-                self.settings.sent_ttl.as_millis().to_string(),
-                req.job_id.as_str().to_owned(),
-                penalty.map(|p| micros(p.wait)).unwrap_or(0).to_string(),
-                now_micros.map(|n| n.to_string()).unwrap_or_default(),
-                scope.to_owned(),
-            ],
-            done,
-        };
-        let stopped = || QuotaError::Unavailable("the completion batcher stopped".into());
-        self.completions().send(completion).map_err(|_| stopped())?;
-        result.await.unwrap_or_else(|_| Err(stopped()))
+        let keys = vec![
+            self.keys.sent(req.tenant, req.key),
+            self.keys.lease(req.tenant, req.key),
+            self.keys.in_flight(req.tenant),
+            self.keys.penalty(req.tenant),
+            self.keys.route_penalty(req.route),
+        ];
+        let args = vec![
+            req.lease_token.to_owned(),
+            if sent { "1" } else { "0" }.to_owned(),
+            self.settings.sent_ttl.as_millis().to_string(),
+            req.job_id.as_str().to_owned(),
+            penalty.map(|p| micros(p.wait)).unwrap_or(0).to_string(),
+            now_micros.map(|n| n.to_string()).unwrap_or_default(),
+            scope.to_owned(),
+        ];
+        self.calls
+            .call(&self.redis, Group::Complete, keys, args)
+            .await
+            .map(drop)
     }
 
     fn state(&self, key: &LocalKey) -> Arc<KeyState> {
@@ -662,12 +718,15 @@ impl PermitStore for RedisPermits {
 mod contract {
     use super::*;
 
+    static PERMIT_LUA: &str = include_str!("lua/permit.lua");
+
     /// The names `permit.lua` binds, in order, from lines such as
     /// `local sent_key = KEYS[7]`.
     fn bound(script: &str, table: &str) -> Vec<String> {
         let mut bound = Vec::new();
         for line in script.lines() {
             let Some((name, value)) = line
+                .trim_start()
                 .strip_prefix("local ")
                 .and_then(|rest| rest.split_once(" = "))
             else {
@@ -702,6 +761,7 @@ mod contract {
         // Nothing else reads the tables by position.
         let positional: Vec<&str> = PERMIT_LUA
             .lines()
+            .map(str::trim_start)
             .filter(|l| !l.starts_with("--") && !l.starts_with("local "))
             .filter(|l| l.contains("KEYS[") || l.contains("ARGV["))
             .collect();

@@ -1,15 +1,12 @@
--- After provider calls, for a batch of jobs: record each idempotency key
--- whose job was sent, release the in-flight lease and the concurrency slot
--- if that attempt still holds them, and on a 429 push the tenant's bucket
--- (or, when the route's 429s are account-wide, the route's) past
--- Retry-After so every pod backs off, not only the one that saw it.
+-- After a provider call: record the idempotency key if the job was sent,
+-- release the in-flight lease and the concurrency slot if that attempt
+-- still holds them, and on a 429 push the tenant's bucket (or, when the
+-- route's 429s are account-wide, the route's) past Retry-After so every pod
+-- backs off, not only the one that saw it. Called from `batch.lua`.
 --
--- KEYS and ARGV hold one group per job, in order: 5 keys and 7 arguments.
--- (On a Redis Cluster a batch must hold only keys of one slot.)
---
--- Keys of a group: sent record, lease, tenant in-flight zset, tenant
--- penalty, route penalty.
--- Arguments of a group: lease token, '1' if sent, record ttl ms, job id,
+-- Keys (5): sent record, lease, tenant in-flight zset, tenant penalty,
+-- route penalty.
+-- Arguments (7): lease token, '1' if sent, record ttl ms, job id,
 -- penalty microseconds ('0' = none), "now" override in microseconds (tests
 -- only; "" = Redis TIME), whom the penalty pauses ("tenant" or "route").
 
@@ -34,8 +31,3 @@ local function complete(k, a)
     end
   end
 end
-
-for i = 0, #KEYS / 5 - 1 do
-  complete({unpack(KEYS, i * 5 + 1, i * 5 + 5)}, {unpack(ARGV, i * 7 + 1, i * 7 + 7)})
-end
-return #KEYS / 5

@@ -1,12 +1,14 @@
--- One fleet-wide permit decision, atomically. In order:
+-- Fleet-wide permit decisions for a batch of jobs, one call for all (the
+-- jobs a pod asks for while its previous call is in flight). Each, in order:
 --   sent?  cancelled?  another copy in flight?  tenant paused?
 --   tenant bucket (GCRA)  +  route bucket (GCRA, when configured)  +  tenant concurrency
 -- All-or-nothing: a job denied by any part consumes nothing. A permit may be
 -- reserved up to `reserve` ahead (at most `horizon`); the worker holds the job
 -- until then.
 --
--- The keys and arguments, by name, bound below in this order. The Rust side
--- names them the same way (`PermitKeys`, `PermitArgs`); a test checks both.
+-- The keys and arguments of one job's group, by name, bound below in this
+-- order. The Rust side names them the same way (`PermitKeys`, `PermitArgs`);
+-- a test checks both.
 --
 -- KEYS[1]  tenant_quota_key           hash: count period_ms burst concurrency paused shadow_count shadow_period_ms shadow_burst
 -- KEYS[2]  tenant_tat_key             GCRA theoretical arrival time, microseconds of Redis time
@@ -49,7 +51,7 @@
 -- ARGV[18] returning_share_place      a job back for a place on its share of the route: that place in the
 --                                     route's virtual time ("" = none)
 --
--- Reply {code, a, b, c}:
+-- Reply: one {code, a, b, c} per group, in order:
 --   {0, delay, shadow, send}    granted at now + delay = send (microseconds since the epoch, Redis
 --                               time); shadow 0 none, 1 would allow, 2 would deny
 --   {1, retry_in, interval, n, kept, share_place, share_interval}
@@ -63,411 +65,414 @@
 --   {5}                         cancelled
 --   {6, retry_in}               tenant at its concurrency limit
 
-local tenant_quota_key = KEYS[1]
-local tenant_tat_key = KEYS[2]
-local tenant_waiting_key = KEYS[3]
-local tenant_penalty_key = KEYS[4]
-local tenant_in_flight_key = KEYS[5]
-local shadow_tat_key = KEYS[6]
-local sent_key = KEYS[7]
-local lease_key = KEYS[8]
-local cancelled_id_key = KEYS[9]
-local cancelled_idempotency_key = KEYS[10]
-local default_quota_key = KEYS[11]
-local route_quota_key = KEYS[12]
-local route_tat_key = KEYS[13]
-local route_share_key = KEYS[14]
-local route_penalty_key = KEYS[15]
-local tenant_waiting_high_key = KEYS[16]
-local tenant_waiting_low_key = KEYS[17]
-local route_active_key = KEYS[18]
-local route_weights_key = KEYS[19]
-local default_count = ARGV[1]
-local default_period_ms = ARGV[2]
-local default_burst = ARGV[3]
-local lease_token = ARGV[4]
-local horizon_us = ARGV[5]
-local lease_ttl_ms = ARGV[6]
-local pacing_factor = ARGV[7]
-local pause_recheck_us = ARGV[8]
-local denial_slots = ARGV[9]
-local concurrency_retry_us = ARGV[10]
-local now_override_us = ARGV[11]
-local returning_remaining_us = ARGV[12]
-local returning_interval_us = ARGV[13]
-local seen_cancel_ttl_ms = ARGV[14]
-local reserve_us = ARGV[15]
-local priority = ARGV[16]
-local tenant_name = ARGV[17]
-local returning_share_place = ARGV[18]
+-- One decision; KEYS and ARGV here are the job's group of the call's.
+local function permit(KEYS, ARGV)
+  local tenant_quota_key = KEYS[1]
+  local tenant_tat_key = KEYS[2]
+  local tenant_waiting_key = KEYS[3]
+  local tenant_penalty_key = KEYS[4]
+  local tenant_in_flight_key = KEYS[5]
+  local shadow_tat_key = KEYS[6]
+  local sent_key = KEYS[7]
+  local lease_key = KEYS[8]
+  local cancelled_id_key = KEYS[9]
+  local cancelled_idempotency_key = KEYS[10]
+  local default_quota_key = KEYS[11]
+  local route_quota_key = KEYS[12]
+  local route_tat_key = KEYS[13]
+  local route_share_key = KEYS[14]
+  local route_penalty_key = KEYS[15]
+  local tenant_waiting_high_key = KEYS[16]
+  local tenant_waiting_low_key = KEYS[17]
+  local route_active_key = KEYS[18]
+  local route_weights_key = KEYS[19]
+  local default_count = ARGV[1]
+  local default_period_ms = ARGV[2]
+  local default_burst = ARGV[3]
+  local lease_token = ARGV[4]
+  local horizon_us = ARGV[5]
+  local lease_ttl_ms = ARGV[6]
+  local pacing_factor = ARGV[7]
+  local pause_recheck_us = ARGV[8]
+  local denial_slots = ARGV[9]
+  local concurrency_retry_us = ARGV[10]
+  local now_override_us = ARGV[11]
+  local returning_remaining_us = ARGV[12]
+  local returning_interval_us = ARGV[13]
+  local seen_cancel_ttl_ms = ARGV[14]
+  local reserve_us = ARGV[15]
+  local priority = ARGV[16]
+  local tenant_name = ARGV[17]
+  local returning_share_place = ARGV[18]
 
-local now = now_us(now_override_us)
-local horizon = tonumber(horizon_us)
--- The pod narrows it for a job it would not hold that long.
-local reserve = math.min(tonumber(reserve_us) or horizon, horizon)
-local pacing = tonumber(pacing_factor)
+  local now = now_us(now_override_us)
+  local horizon = tonumber(horizon_us)
+  -- The pod narrows it for a job it would not hold that long.
+  local reserve = math.min(tonumber(reserve_us) or horizon, horizon)
+  local pacing = tonumber(pacing_factor)
 
-if redis.call('EXISTS', sent_key) == 1 then return {2} end
--- A cancellation waits (up to cancel_ttl) for its job; once the job is seen it
--- is kept as long as a sent record, so other copies are skipped too.
-local cancelled = false
-for _, key in ipairs({cancelled_id_key, cancelled_idempotency_key}) do
-  if redis.call('EXISTS', key) == 1 then
-    cancelled = true
-    local ttl = redis.call('PTTL', key)
-    if ttl < 0 or ttl > tonumber(seen_cancel_ttl_ms) then redis.call('PEXPIRE', key, seen_cancel_ttl_ms) end
-  end
-end
-if cancelled then return {5} end
-
-local holder = redis.call('GET', lease_key)
-if holder and holder ~= lease_token then
-  local ttl = redis.call('PTTL', lease_key)
-  if ttl < 1 then ttl = 1 end
-  return {3, ttl * 1000}
-end
-
-local q = redis.call('HMGET', tenant_quota_key, 'count', 'period_ms', 'burst', 'concurrency', 'paused',
-  'shadow_count', 'shadow_period_ms', 'shadow_burst', 'updated_at_ms', 'weight')
-if q[5] == '1' then return {4, tonumber(pause_recheck_us)} end
-
--- A bucket: {interval, burst, changed_at} or nil. changed_at (microseconds)
--- is when its quota last changed: places in line are re-spaced around it.
-local function bucket(count, period_ms, burst, changed_ms)
-  count, period_ms, burst = tonumber(count), tonumber(period_ms), tonumber(burst)
-  if not (count and period_ms and burst) or count < 1 or period_ms < 1 or burst < 1 then return nil end
-  local changed = tonumber(changed_ms)
-  -- Whole microseconds, rounded up: times near 1.8e15 µs have no room for
-  -- fractions in a double, and a rounded-down interval could send early.
-  return {math.ceil(period_ms * 1000 / count * pacing), burst, changed and changed * 1000 or now}
-end
-
-local tenant = bucket(q[1], q[2], q[3], q[9])
-if not tenant then
-  local d = redis.call('HMGET', default_quota_key, 'count', 'period_ms', 'burst', 'updated_at_ms')
-  tenant = bucket(d[1], d[2], d[3], d[4]) or bucket(default_count, default_period_ms, default_burst, nil)
-end
-local r = redis.call('HMGET', route_quota_key, 'count', 'period_ms', 'burst', 'updated_at_ms')
-local route = bucket(r[1], r[2], r[3], r[4])
-
--- A place in line given at spacing `old`, re-spaced to the bucket's current
--- spacing around the moment the quota changed.
-local function respace(place, old, b)
-  if not old or old <= 0 or math.abs(old - b[1]) <= 0.5 or place <= b[3] then return place end
-  return b[3] + (place - b[3]) * b[1] / old
-end
-
--- The bucket's TAT, clamped so a quota change applies at once (under a steady
--- quota it never exceeds the clamp).
--- Also returns the TAT as stored (nil if none).
-local function load_tat(tat_key, b)
-  local stored = tonumber(redis.call('GET', tat_key))
-  local tat = stored or now
-  if tat < now then tat = now end
-  local cap = now + horizon + b[1] * b[2]
-  if tat > cap then tat = cap end
-  return tat, stored
-end
-
--- A provider 429 (Retry-After) on the tenant, or on the whole route when its
--- 429s are account-wide: no send before this instant, whatever the burst.
-local penalty = math.max(tonumber(redis.call('GET', tenant_penalty_key)) or 0,
-                         tonumber(redis.call('GET', route_penalty_key)) or 0)
-
--- Microseconds until the bucket (and the penalty) allow a send.
-local function delay_of(tat, b)
-  local d = math.max(tat - b[1] * (b[2] - 1), penalty) - now
-  if d < 0 then return 0 end
-  return d
-end
-
--- The next free place of a line (re-spaced if the quota changed), or nil.
--- A share of a route (a bucket with a clock, b[4]) keeps its line in the
--- route's virtual time. Each line is read from Redis once per decision.
-local line_cache = {}
-local function line_at(waiting_key, b)
-  local cached = line_cache[waiting_key]
-  if cached ~= nil then return cached or nil end
-  local at
-  if b[4] then
-    local v = tonumber(redis.call('HGET', waiting_key, 'v'))
-    if v then at = b[4].real(v) end
-  else
-    local v = redis.call('HMGET', waiting_key, 'at', 'iv')
-    at = tonumber(v[1])
-    if at then at = respace(at, tonumber(v[2]), b) end
-  end
-  line_cache[waiting_key] = at or false
-  return at
-end
-
--- Moves a line's next free place to `next_at`.
-local function push_line(waiting_key, next_at, b)
-  if b[4] then
-    redis.call('HSET', waiting_key, 'v', string.format('%.3f', b[4].virtual(next_at)))
-  else
-    redis.call('HSET', waiting_key, 'at', string.format('%.0f', next_at), 'iv', string.format('%.3f', b[1]))
-  end
-  redis.call('PEXPIRE', waiting_key, math.ceil((next_at - now) / 1000) + 1000)
-  line_cache[waiting_key] = next_at
-end
-
--- n slots at `at` went to a class served before the lines after `own`: those
--- with places from there on move back by as many slots (their jobs, finding
--- a slot taken, move to the next free one when they come back).
-local function make_room(keys, own, at, b, n)
-  for i = own + 1, #keys do
-    local line = line_at(keys[i], b)
-    if line and line > at then push_line(keys[i], line + b[1] * n, b) end
-  end
-end
-
--- Virtual slots for a denied job: n slots in its line (`keys[own]`), one
--- interval apart, after the places of the lines served before it and its
--- own, after tat, and not before the penalty ends.
-local function waiting_slots(keys, own, tat, b, n)
-  local at = tat
-  for i = 1, own do
-    local line = line_at(keys[i], b)
-    if line and line > at then at = line end
-  end
-  local floor = penalty + b[1] * (b[2] - 1)
-  if at < floor then at = floor end
-  push_line(keys[own], at + b[1] * n, b)
-  make_room(keys, own, at, b, n)
-  local retry = at - b[1] * (b[2] - 1) - now - reserve
-  if retry < 0 then retry = 0 end
-  return retry, at
-end
-
--- This tenant's share of the route, as a line spacing: the route's capacity
--- divides among the tenants with work on it by weight, so each tenant's
--- line on the route is spaced the route's interval × (the weights counted)
--- / its weight. Tenants whose share line is spent leave the sum. A tenant
--- whose own quota holds it below its share counts only for what it can use,
--- so the rest goes to the others. Returns {spacing, 1, changed, clock}: a
--- bucket of burst 1 (places are send times) whose places are kept in the
--- route's virtual time, which runs at 1 / (the sum) of real time: a place
--- in it stays where it is, among every other tenant's places, however
--- often the sum changes before its job comes back.
-local function route_share()
-  local function field(name) return tonumber(redis.call('HGET', route_weights_key, name)) end
-  local total = field('total') or 0
-  local before = total
-  local done = redis.call('ZRANGEBYSCORE', route_active_key, '-inf', string.format('%.0f', now), 'LIMIT', 0, 100)
-  for _, t in ipairs(done) do
-    total = total - (field('w:' .. t) or 0)
-    redis.call('HDEL', route_weights_key, 'w:' .. t)
-    redis.call('ZREM', route_active_key, t)
-  end
-  local mine = field('w:' .. tenant_name) or 0
-  local others = total - mine
-  if others < 1e-6 then others = 0 end
-  local w = tonumber(q[10]) or 1
-  if w < 1 then w = 1 end
-  -- At most this fraction of the route's sends can be the tenant's own.
-  local usable = route[1] / tenant[1]
-  if others > 0 and usable < 1 then w = math.min(w, math.max(usable * others / (1 - usable), 1e-3)) end
-  w = tonumber(string.format('%.6f', w))
-  if w ~= mine then redis.call('HSET', route_weights_key, 'w:' .. tenant_name, string.format('%.6f', w)) end
-  total = tonumber(string.format('%.6f', others + w))
-  local changed, v = field('changed'), field('v')
-  if total ~= before or not changed or not v then
-    -- Virtual time runs at 1 / (the sum) while it holds; it starts at the
-    -- real time, so a route whose hash expired never moves back.
-    if changed and v and before > 0 then v = v + (now - changed) / before else v = now end
-    changed = now
-    redis.call('HSET', route_weights_key, 'total', string.format('%.6f', total), 'changed', string.format('%.0f', now),
-      'v', string.format('%.3f', v))
-  end
-  -- 1 % wider than an exact division: with the shares summing to exactly
-  -- the route's rate, a job that loses a race for a route slot is late for
-  -- good, as the route never has a slot to spare, and the tenant that asks
-  -- later (the one with fewer jobs in any window) falls behind its share.
-  local clock = {
-    real = function(at) return changed + (at - v) * total end,
-    virtual = function(at) return v + (at - changed) / total end,
-    step = route[1] / w * 1.01,
-  }
-  return {math.ceil(clock.step * total), 1, changed, clock}
-end
-
-local tenant_tat = load_tat(tenant_tat_key, tenant)
-local delay = delay_of(tenant_tat, tenant)
-local route_tat, route_delay, share, route_idle = 0, 0, nil, false
-if route then
-  local stored
-  route_tat, stored = load_tat(route_tat_key, route)
-  route_delay = delay_of(route_tat, route)
-  share = route_share()
-  -- A slot of the route went unused for a whole interval: whoever asks may
-  -- take the next one, whatever its share says. Shares order a contended
-  -- route; they never leave it idle.
-  route_idle = route_delay == 0 and delay == 0 and (stored or 0) + route[1] <= now
-end
-
--- The tenant counts among the route's tenants with work while it holds
--- places on either of its lines there, and for one share spacing after any
--- decision.
-local function count_on_route()
-  if not share then return end
-  local until_at = now + share[1]
-  for _, at in ipairs({line_at(route_share_key, share) or 0, line_at(tenant_waiting_key, tenant) or 0}) do
-    if at > until_at then until_at = at end
-  end
-  redis.call('ZADD', route_active_key, string.format('%.0f', until_at), tenant_name)
-  local ttl_ms = math.ceil((until_at - now) / 1000) + 60000
-  for _, key in ipairs({route_active_key, route_weights_key}) do
-    if redis.call('PTTL', key) < ttl_ms then redis.call('PEXPIRE', key, ttl_ms) end
-  end
-end
-
--- The decision itself, once the route's shares are known; every outcome
--- counts the tenant among the route's tenants with work (below).
-local function decide()
-  -- The tenant's lines, in the order they are served: high, normal, low.
-  local lines = {tenant_waiting_high_key, tenant_waiting_key, tenant_waiting_low_key}
-  local rank = ({high = 1, normal = 2, low = 3})[priority] or 2
-  local remaining = tonumber(returning_remaining_us)
-
-  -- Places already handed out beyond a bucket's TAT are jobs parked for them.
-  -- A fresh job waits behind the places of its own class and of the classes
-  -- served before it; a job back for its place, behind those of the classes
-  -- served before it only. Returns the furthest such place, if beyond tat.
-  local function line_ahead(keys, last, tat, b)
-    local furthest = nil
-    for i = 1, last do
-      local at = line_at(keys[i], b)
-      if at and at > tat and (not furthest or at > furthest) then furthest = at end
+  if redis.call('EXISTS', sent_key) == 1 then return {2} end
+  -- A cancellation waits (up to cancel_ttl) for its job; once the job is seen it
+  -- is kept as long as a sent record, so other copies are skipped too.
+  local cancelled = false
+  for _, key in ipairs({cancelled_id_key, cancelled_idempotency_key}) do
+    if redis.call('EXISTS', key) == 1 then
+      cancelled = true
+      local ttl = redis.call('PTTL', key)
+      if ttl < 0 or ttl > tonumber(seen_cancel_ttl_ms) then redis.call('PEXPIRE', key, seen_cancel_ttl_ms) end
     end
-    return furthest
   end
-  local tenant_line = line_ahead(lines, remaining and rank - 1 or rank, tenant_tat, tenant)
-  -- A fresh job takes the tenant's share of the route in turn: it waits while
-  -- the next place of the tenant's share is beyond its window.
-  local share_ahead = nil
-  if share and not remaining and not route_idle then
-    local at = line_at(route_share_key, share)
-    if at and at > now + reserve then share_ahead = at end
+  if cancelled then return {5} end
+
+  local holder = redis.call('GET', lease_key)
+  if holder and holder ~= lease_token then
+    local ttl = redis.call('PTTL', lease_key)
+    if ttl < 1 then ttl = 1 end
+    return {3, ttl * 1000}
   end
-  -- A job back early (a hop) for a place on its share line waits for it,
-  -- wherever the shares have moved it, even when the route's bucket is free
-  -- or idle: the route's next slots may be other tenants' places, and a slot
-  -- left idle should go to a job that is behind its place, not ahead of it.
-  local share_place = share and remaining and tonumber(returning_share_place)
-  -- A denial with places on the share line: the first, `v` in the route's
-  -- virtual time, and their spacing there go with it (the job brings its
-  -- place back).
-  local function on_share(reply, v)
-    reply[6] = math.floor(v)
-    reply[7] = math.floor(share[4].step)
-    return reply
+
+  local q = redis.call('HMGET', tenant_quota_key, 'count', 'period_ms', 'burst', 'concurrency', 'paused',
+    'shadow_count', 'shadow_period_ms', 'shadow_burst', 'updated_at_ms', 'weight')
+  if q[5] == '1' then return {4, tonumber(pause_recheck_us)} end
+
+  -- A bucket: {interval, burst, changed_at} or nil. changed_at (microseconds)
+  -- is when its quota last changed: places in line are re-spaced around it.
+  local function bucket(count, period_ms, burst, changed_ms)
+    count, period_ms, burst = tonumber(count), tonumber(period_ms), tonumber(burst)
+    if not (count and period_ms and burst) or count < 1 or period_ms < 1 or burst < 1 then return nil end
+    local changed = tonumber(changed_ms)
+    -- Whole microseconds, rounded up: times near 1.8e15 µs have no room for
+    -- fractions in a double, and a rounded-down interval could send early.
+    return {math.ceil(period_ms * 1000 / count * pacing), burst, changed and changed * 1000 or now}
   end
-  if share_place then
-    local place = share[4].real(share_place)
-    if place - now > 2 * reserve then
-      return on_share({1, math.ceil(place - reserve - now), math.floor(share[1]), 1, 1}, share_place)
+
+  local tenant = bucket(q[1], q[2], q[3], q[9])
+  if not tenant then
+    local d = redis.call('HMGET', default_quota_key, 'count', 'period_ms', 'burst', 'updated_at_ms')
+    tenant = bucket(d[1], d[2], d[3], d[4]) or bucket(default_count, default_period_ms, default_burst, nil)
+  end
+  local r = redis.call('HMGET', route_quota_key, 'count', 'period_ms', 'burst', 'updated_at_ms')
+  local route = bucket(r[1], r[2], r[3], r[4])
+
+  -- A place in line given at spacing `old`, re-spaced to the bucket's current
+  -- spacing around the moment the quota changed.
+  local function respace(place, old, b)
+    if not old or old <= 0 or math.abs(old - b[1]) <= 0.5 or place <= b[3] then return place end
+    return b[3] + (place - b[3]) * b[1] / old
+  end
+
+  -- The bucket's TAT, clamped so a quota change applies at once (under a steady
+  -- quota it never exceeds the clamp).
+  -- Also returns the TAT as stored (nil if none).
+  local function load_tat(tat_key, b)
+    local stored = tonumber(redis.call('GET', tat_key))
+    local tat = stored or now
+    if tat < now then tat = now end
+    local cap = now + horizon + b[1] * b[2]
+    if tat > cap then tat = cap end
+    return tat, stored
+  end
+
+  -- A provider 429 (Retry-After) on the tenant, or on the whole route when its
+  -- 429s are account-wide: no send before this instant, whatever the burst.
+  local penalty = math.max(tonumber(redis.call('GET', tenant_penalty_key)) or 0,
+                           tonumber(redis.call('GET', route_penalty_key)) or 0)
+
+  -- Microseconds until the bucket (and the penalty) allow a send.
+  local function delay_of(tat, b)
+    local d = math.max(tat - b[1] * (b[2] - 1), penalty) - now
+    if d < 0 then return 0 end
+    return d
+  end
+
+  -- The next free place of a line (re-spaced if the quota changed), or nil.
+  -- A share of a route (a bucket with a clock, b[4]) keeps its line in the
+  -- route's virtual time. Each line is read from Redis once per decision.
+  local line_cache = {}
+  local function line_at(waiting_key, b)
+    local cached = line_cache[waiting_key]
+    if cached ~= nil then return cached or nil end
+    local at
+    if b[4] then
+      local v = tonumber(redis.call('HGET', waiting_key, 'v'))
+      if v then at = b[4].real(v) end
+    else
+      local v = redis.call('HMGET', waiting_key, 'at', 'iv')
+      at = tonumber(v[1])
+      if at then at = respace(at, tonumber(v[2]), b) end
+    end
+    line_cache[waiting_key] = at or false
+    return at
+  end
+
+  -- Moves a line's next free place to `next_at`.
+  local function push_line(waiting_key, next_at, b)
+    if b[4] then
+      redis.call('HSET', waiting_key, 'v', string.format('%.3f', b[4].virtual(next_at)))
+    else
+      redis.call('HSET', waiting_key, 'at', string.format('%.0f', next_at), 'iv', string.format('%.3f', b[1]))
+    end
+    redis.call('PEXPIRE', waiting_key, math.ceil((next_at - now) / 1000) + 1000)
+    line_cache[waiting_key] = next_at
+  end
+
+  -- n slots at `at` went to a class served before the lines after `own`: those
+  -- with places from there on move back by as many slots (their jobs, finding
+  -- a slot taken, move to the next free one when they come back).
+  local function make_room(keys, own, at, b, n)
+    for i = own + 1, #keys do
+      local line = line_at(keys[i], b)
+      if line and line > at then push_line(keys[i], line + b[1] * n, b) end
     end
   end
 
-  local n = tonumber(denial_slots)
-  if delay > reserve or route_delay > reserve or tenant_line or share_ahead then
-    -- Queue on whichever side is further out: the tenant's own lines, or its
-    -- share line on the route (places there are send times, from when the
-    -- route's bucket allows one). Only that side's line moves.
-    local b, b_tat, b_lines, b_rank, b_ahead = tenant, tenant_tat, lines, rank, tenant_line
-    local tenant_far = math.max(delay, (tenant_line or now) - now)
-    if share and math.max(route_delay, (share_ahead or now) - now) > tenant_far then
-      b, b_tat, b_lines, b_rank, b_ahead = share, now + route_delay, {route_share_key}, 1, nil
+  -- Virtual slots for a denied job: n slots in its line (`keys[own]`), one
+  -- interval apart, after the places of the lines served before it and its
+  -- own, after tat, and not before the penalty ends.
+  local function waiting_slots(keys, own, tat, b, n)
+    local at = tat
+    for i = 1, own do
+      local line = line_at(keys[i], b)
+      if line and line > at then at = line end
     end
-    if remaining then
-      -- Back from (a hop of) its wait: keep the place, re-spaced like the line
-      -- if the quota changed since it was given. (`place` is when to come
-      -- back: `reserve` before the slot itself.) A place on the share line
-      -- has come (above).
-      local place = respace(now + remaining, tonumber(returning_interval_us), b)
-      if b ~= share and place - now > reserve then
-          return {1, math.ceil(place - now), math.floor(b[1]), 1, 1}
-      end
-      if b_ahead then
-        -- Its place has come, but places of a class served first are still
-        -- out: it goes right after them, ahead of its own class's line.
-        place = math.max(b_ahead - b[1] * (b[2] - 1), penalty) - reserve
-        -- Their jobs have not come for them yet: look again a slot later,
-        -- never at once (their places pass with time).
-        if place <= now then place = now + b[1] end
-          return {1, math.ceil(place - now), math.floor(b[1]), 1, 1}
-      end
-      if b == share then
-        -- Its share's place has come and the route is busy past the window
-        -- (other tenants' places fell close together): it keeps its turn and
-        -- asks again as the route frees.
-        local reply = {1, math.ceil(math.max(route_delay - reserve, route[1])), math.floor(b[1]), 1, 1}
-        if share_place then return on_share(reply, share_place) end
-        return reply
-      end
-      -- Its slot went to another job (it came back late, or a reservation
-      -- took it): the back of its line. Moving it to the front instead would
-      -- shift every place behind it by as much, each costing a round trip
-      -- (measured: 200 tenants × 20 jobs drained in 27 s instead of 13 s).
-    end
-    local retry, at = waiting_slots(b_lines, b_rank, b_tat, b, n)
-    local reply = {1, math.ceil(retry), math.floor(b[1]), n, 0}
-    if b == share then return on_share(reply, share[4].virtual(at)) end
-    return reply
+    local floor = penalty + b[1] * (b[2] - 1)
+    if at < floor then at = floor end
+    push_line(keys[own], at + b[1] * n, b)
+    make_room(keys, own, at, b, n)
+    local retry = at - b[1] * (b[2] - 1) - now - reserve
+    if retry < 0 then retry = 0 end
+    return retry, at
   end
 
-  local concurrency = tonumber(q[4])
-  if concurrency and concurrency > 0 then
-    redis.call('ZREMRANGEBYSCORE', tenant_in_flight_key, '-inf', now)
-    if redis.call('ZCARD', tenant_in_flight_key) >= concurrency then
-      return {6, tonumber(concurrency_retry_us)}
+  -- This tenant's share of the route, as a line spacing: the route's capacity
+  -- divides among the tenants with work on it by weight, so each tenant's
+  -- line on the route is spaced the route's interval × (the weights counted)
+  -- / its weight. Tenants whose share line is spent leave the sum. A tenant
+  -- whose own quota holds it below its share counts only for what it can use,
+  -- so the rest goes to the others. Returns {spacing, 1, changed, clock}: a
+  -- bucket of burst 1 (places are send times) whose places are kept in the
+  -- route's virtual time, which runs at 1 / (the sum) of real time: a place
+  -- in it stays where it is, among every other tenant's places, however
+  -- often the sum changes before its job comes back.
+  local function route_share()
+    local function field(name) return tonumber(redis.call('HGET', route_weights_key, name)) end
+    local total = field('total') or 0
+    local before = total
+    local done = redis.call('ZRANGEBYSCORE', route_active_key, '-inf', string.format('%.0f', now), 'LIMIT', 0, 100)
+    for _, t in ipairs(done) do
+      total = total - (field('w:' .. t) or 0)
+      redis.call('HDEL', route_weights_key, 'w:' .. t)
+      redis.call('ZREM', route_active_key, t)
     end
+    local mine = field('w:' .. tenant_name) or 0
+    local others = total - mine
+    if others < 1e-6 then others = 0 end
+    local w = tonumber(q[10]) or 1
+    if w < 1 then w = 1 end
+    -- At most this fraction of the route's sends can be the tenant's own.
+    local usable = route[1] / tenant[1]
+    if others > 0 and usable < 1 then w = math.min(w, math.max(usable * others / (1 - usable), 1e-3)) end
+    w = tonumber(string.format('%.6f', w))
+    if w ~= mine then redis.call('HSET', route_weights_key, 'w:' .. tenant_name, string.format('%.6f', w)) end
+    total = tonumber(string.format('%.6f', others + w))
+    local changed, v = field('changed'), field('v')
+    if total ~= before or not changed or not v then
+      -- Virtual time runs at 1 / (the sum) while it holds; it starts at the
+      -- real time, so a route whose hash expired never moves back.
+      if changed and v and before > 0 then v = v + (now - changed) / before else v = now end
+      changed = now
+      redis.call('HSET', route_weights_key, 'total', string.format('%.6f', total), 'changed', string.format('%.0f', now),
+        'v', string.format('%.3f', v))
+    end
+    -- 1 % wider than an exact division: with the shares summing to exactly
+    -- the route's rate, a job that loses a race for a route slot is late for
+    -- good, as the route never has a slot to spare, and the tenant that asks
+    -- later (the one with fewer jobs in any window) falls behind its share.
+    local clock = {
+      real = function(at) return changed + (at - v) * total end,
+      virtual = function(at) return v + (at - changed) / total end,
+      step = route[1] / w * 1.01,
+    }
+    return {math.ceil(clock.step * total), 1, changed, clock}
   end
 
-  -- Granted: the send happens at `send`; each bucket's next slot counts from it.
-  if route_delay > delay then delay = route_delay end
-  delay = math.ceil(delay)
-  local send = now + delay
-  -- Times are rounded up to whole microseconds: a send is never early.
-  local function advance(tat_key, tat, b)
-    local next_tat = math.ceil(math.max(tat, send) + b[1])
-    redis.call('SET', tat_key, string.format('%d', next_tat), 'PX', math.ceil((next_tat - now) / 1000) + 1000)
-  end
-  advance(tenant_tat_key, tenant_tat, tenant)
-  -- A fresh job took a slot ahead of the places of the classes served after it.
-  if not remaining then make_room(lines, rank, tenant_tat, tenant, 1) end
+  local tenant_tat = load_tat(tenant_tat_key, tenant)
+  local delay = delay_of(tenant_tat, tenant)
+  local route_tat, route_delay, share, route_idle = 0, 0, nil, false
   if route then
-    advance(route_tat_key, route_tat, route)
-    -- The send used a place of the tenant's share: the next is a spacing on.
-    -- (A job back for a share place finds the line already past it.)
-    local at = line_at(route_share_key, share)
-    if not at or at < send + share[1] then push_line(route_share_key, send + share[1], share) end
+    local stored
+    route_tat, stored = load_tat(route_tat_key, route)
+    route_delay = delay_of(route_tat, route)
+    share = route_share()
+    -- A slot of the route went unused for a whole interval: whoever asks may
+    -- take the next one, whatever its share says. Shares order a contended
+    -- route; they never leave it idle.
+    route_idle = route_delay == 0 and delay == 0 and (stored or 0) + route[1] <= now
   end
 
-  local lease_ms = tonumber(lease_ttl_ms) + math.ceil(delay / 1000)
-  redis.call('SET', lease_key, lease_token, 'PX', lease_ms)
-  if concurrency and concurrency > 0 then
-    redis.call('ZADD', tenant_in_flight_key, string.format('%.0f', now + lease_ms * 1000), lease_token)
-    redis.call('PEXPIRE', tenant_in_flight_key, lease_ms + 1000)
+  -- The tenant counts among the route's tenants with work while it holds
+  -- places on either of its lines there, and for one share spacing after any
+  -- decision.
+  local function count_on_route()
+    if not share then return end
+    local until_at = now + share[1]
+    for _, at in ipairs({line_at(route_share_key, share) or 0, line_at(tenant_waiting_key, tenant) or 0}) do
+      if at > until_at then until_at = at end
+    end
+    redis.call('ZADD', route_active_key, string.format('%.0f', until_at), tenant_name)
+    local ttl_ms = math.ceil((until_at - now) / 1000) + 60000
+    for _, key in ipairs({route_active_key, route_weights_key}) do
+      if redis.call('PTTL', key) < ttl_ms then redis.call('PEXPIRE', key, ttl_ms) end
+    end
   end
 
-  -- Shadow quota: would it have allowed this send? Computed, never enforced.
-  local verdict = 0
-  local shadow = bucket(q[6], q[7], q[8])
-  if shadow then
-    local stat = tonumber(redis.call('GET', shadow_tat_key)) or send
-    if stat < send then stat = send end
-    local scap = send + shadow[1] * shadow[2]
-    if stat > scap then stat = scap end
-    if stat - shadow[1] * (shadow[2] - 1) <= send then verdict = 1 else verdict = 2 end
-    local snext = math.max(stat, send) + shadow[1]
-    redis.call('SET', shadow_tat_key, string.format('%.0f', snext), 'PX', math.ceil((snext - now) / 1000) + 1000)
+  -- The decision itself, once the route's shares are known; every outcome
+  -- counts the tenant among the route's tenants with work (below).
+  local function decide()
+    -- The tenant's lines, in the order they are served: high, normal, low.
+    local lines = {tenant_waiting_high_key, tenant_waiting_key, tenant_waiting_low_key}
+    local rank = ({high = 1, normal = 2, low = 3})[priority] or 2
+    local remaining = tonumber(returning_remaining_us)
+
+    -- Places already handed out beyond a bucket's TAT are jobs parked for them.
+    -- A fresh job waits behind the places of its own class and of the classes
+    -- served before it; a job back for its place, behind those of the classes
+    -- served before it only. Returns the furthest such place, if beyond tat.
+    local function line_ahead(keys, last, tat, b)
+      local furthest = nil
+      for i = 1, last do
+        local at = line_at(keys[i], b)
+        if at and at > tat and (not furthest or at > furthest) then furthest = at end
+      end
+      return furthest
+    end
+    local tenant_line = line_ahead(lines, remaining and rank - 1 or rank, tenant_tat, tenant)
+    -- A fresh job takes the tenant's share of the route in turn: it waits while
+    -- the next place of the tenant's share is beyond its window.
+    local share_ahead = nil
+    if share and not remaining and not route_idle then
+      local at = line_at(route_share_key, share)
+      if at and at > now + reserve then share_ahead = at end
+    end
+    -- A job back early (a hop) for a place on its share line waits for it,
+    -- wherever the shares have moved it, even when the route's bucket is free
+    -- or idle: the route's next slots may be other tenants' places, and a slot
+    -- left idle should go to a job that is behind its place, not ahead of it.
+    local share_place = share and remaining and tonumber(returning_share_place)
+    -- A denial with places on the share line: the first, `v` in the route's
+    -- virtual time, and their spacing there go with it (the job brings its
+    -- place back).
+    local function on_share(reply, v)
+      reply[6] = math.floor(v)
+      reply[7] = math.floor(share[4].step)
+      return reply
+    end
+    if share_place then
+      local place = share[4].real(share_place)
+      if place - now > 2 * reserve then
+        return on_share({1, math.ceil(place - reserve - now), math.floor(share[1]), 1, 1}, share_place)
+      end
+    end
+
+    local n = tonumber(denial_slots)
+    if delay > reserve or route_delay > reserve or tenant_line or share_ahead then
+      -- Queue on whichever side is further out: the tenant's own lines, or its
+      -- share line on the route (places there are send times, from when the
+      -- route's bucket allows one). Only that side's line moves.
+      local b, b_tat, b_lines, b_rank, b_ahead = tenant, tenant_tat, lines, rank, tenant_line
+      local tenant_far = math.max(delay, (tenant_line or now) - now)
+      if share and math.max(route_delay, (share_ahead or now) - now) > tenant_far then
+        b, b_tat, b_lines, b_rank, b_ahead = share, now + route_delay, {route_share_key}, 1, nil
+      end
+      if remaining then
+        -- Back from (a hop of) its wait: keep the place, re-spaced like the line
+        -- if the quota changed since it was given. (`place` is when to come
+        -- back: `reserve` before the slot itself.) A place on the share line
+        -- has come (above).
+        local place = respace(now + remaining, tonumber(returning_interval_us), b)
+        if b ~= share and place - now > reserve then
+            return {1, math.ceil(place - now), math.floor(b[1]), 1, 1}
+        end
+        if b_ahead then
+          -- Its place has come, but places of a class served first are still
+          -- out: it goes right after them, ahead of its own class's line.
+          place = math.max(b_ahead - b[1] * (b[2] - 1), penalty) - reserve
+          -- Their jobs have not come for them yet: look again a slot later,
+          -- never at once (their places pass with time).
+          if place <= now then place = now + b[1] end
+            return {1, math.ceil(place - now), math.floor(b[1]), 1, 1}
+        end
+        if b == share then
+          -- Its share's place has come and the route is busy past the window
+          -- (other tenants' places fell close together): it keeps its turn and
+          -- asks again as the route frees.
+          local reply = {1, math.ceil(math.max(route_delay - reserve, route[1])), math.floor(b[1]), 1, 1}
+          if share_place then return on_share(reply, share_place) end
+          return reply
+        end
+        -- Its slot went to another job (it came back late, or a reservation
+        -- took it): the back of its line. Moving it to the front instead would
+        -- shift every place behind it by as much, each costing a round trip
+        -- (measured: 200 tenants × 20 jobs drained in 27 s instead of 13 s).
+      end
+      local retry, at = waiting_slots(b_lines, b_rank, b_tat, b, n)
+      local reply = {1, math.ceil(retry), math.floor(b[1]), n, 0}
+      if b == share then return on_share(reply, share[4].virtual(at)) end
+      return reply
+    end
+
+    local concurrency = tonumber(q[4])
+    if concurrency and concurrency > 0 then
+      redis.call('ZREMRANGEBYSCORE', tenant_in_flight_key, '-inf', now)
+      if redis.call('ZCARD', tenant_in_flight_key) >= concurrency then
+        return {6, tonumber(concurrency_retry_us)}
+      end
+    end
+
+    -- Granted: the send happens at `send`; each bucket's next slot counts from it.
+    if route_delay > delay then delay = route_delay end
+    delay = math.ceil(delay)
+    local send = now + delay
+    -- Times are rounded up to whole microseconds: a send is never early.
+    local function advance(tat_key, tat, b)
+      local next_tat = math.ceil(math.max(tat, send) + b[1])
+      redis.call('SET', tat_key, string.format('%d', next_tat), 'PX', math.ceil((next_tat - now) / 1000) + 1000)
+    end
+    advance(tenant_tat_key, tenant_tat, tenant)
+    -- A fresh job took a slot ahead of the places of the classes served after it.
+    if not remaining then make_room(lines, rank, tenant_tat, tenant, 1) end
+    if route then
+      advance(route_tat_key, route_tat, route)
+      -- The send used a place of the tenant's share: the next is a spacing on.
+      -- (A job back for a share place finds the line already past it.)
+      local at = line_at(route_share_key, share)
+      if not at or at < send + share[1] then push_line(route_share_key, send + share[1], share) end
+    end
+
+    local lease_ms = tonumber(lease_ttl_ms) + math.ceil(delay / 1000)
+    redis.call('SET', lease_key, lease_token, 'PX', lease_ms)
+    if concurrency and concurrency > 0 then
+      redis.call('ZADD', tenant_in_flight_key, string.format('%.0f', now + lease_ms * 1000), lease_token)
+      redis.call('PEXPIRE', tenant_in_flight_key, lease_ms + 1000)
+    end
+
+    -- Shadow quota: would it have allowed this send? Computed, never enforced.
+    local verdict = 0
+    local shadow = bucket(q[6], q[7], q[8])
+    if shadow then
+      local stat = tonumber(redis.call('GET', shadow_tat_key)) or send
+      if stat < send then stat = send end
+      local scap = send + shadow[1] * shadow[2]
+      if stat > scap then stat = scap end
+      if stat - shadow[1] * (shadow[2] - 1) <= send then verdict = 1 else verdict = 2 end
+      local snext = math.max(stat, send) + shadow[1]
+      redis.call('SET', shadow_tat_key, string.format('%.0f', snext), 'PX', math.ceil((snext - now) / 1000) + 1000)
+    end
+
+    return {0, delay, verdict, send}
   end
 
-  return {0, delay, verdict, send}
+  local reply = decide()
+  count_on_route()
+  return reply
 end
-
-local reply = decide()
-count_on_route()
-return reply

@@ -1,0 +1,25 @@
+-- The calls a pod makes while its previous one is in flight, in one round
+-- trip: permit decisions (`permit.lua`) and completions (`complete.lua`),
+-- each atomic, in the order they were asked for.
+--
+-- ARGV[1] names each group's kind, one letter per group in order:
+--   'p'  a permit decision: 19 keys, 18 arguments
+--   'c'  a completion: 5 keys, 7 arguments
+-- The groups' keys and arguments follow, one group after another.
+-- Reply: one per group, in order (a completion's is {1}).
+-- (On a Redis Cluster a batch must hold only keys of one slot.)
+
+local kinds = ARGV[1]
+local replies = {}
+local k, a = 0, 1
+for i = 1, #kinds do
+  if string.sub(kinds, i, i) == 'p' then
+    replies[i] = permit({unpack(KEYS, k + 1, k + 19)}, {unpack(ARGV, a + 1, a + 18)})
+    k, a = k + 19, a + 18
+  else
+    complete({unpack(KEYS, k + 1, k + 5)}, {unpack(ARGV, a + 1, a + 7)})
+    replies[i] = {1}
+    k, a = k + 5, a + 7
+  end
+end
+return replies
