@@ -113,9 +113,12 @@ async fn minimal_pipeline(base: &Config, n: u32, prefetch: u16) -> anyhow::Resul
     let script = Script::new(PERMIT_LUA);
     let counter = format!("{queue}:permits");
     let http = reqwest::Client::new();
-    let consumer = consume(&conn, &queue, prefetch).await?;
+    let mut consumer = consume(&conn, &queue, prefetch).await?;
     let mut started = None;
+    // By reference: dropping the consumer closes its channel, and the last
+    // jobs' acks are still on their way when the stream of n ends.
     consumer
+        .by_ref()
         .take(n as usize)
         .map(|delivery| {
             started.get_or_insert_with(Instant::now);
