@@ -1,6 +1,6 @@
 //! Development tooling, kept out of the product binary: the live demo, the
-//! benchmarks (with their Dramatiq peer), and the fake provider they and
-//! the integration tests share. Its binary is `tollgate-dev`
+//! benchmarks (with their Dramatiq and BullMQ peers), and the fake provider
+//! they and the integration tests share. Its binary is `tollgate-dev`
 //! (`make demo`, `make bench`).
 
 pub mod bench;

@@ -29,7 +29,7 @@ enum Command {
     /// A self-contained live demonstration on the local RabbitMQ and Redis.
     #[command(after_help = "Example: tollgate-dev demo --duration 30s --workers 3")]
     Demo(DemoArgs),
-    /// Measure throughput, pacing, fairness and a peer; writes target/bench/report.{json,md}.
+    /// Measure throughput, pacing, fairness and two peers; writes target/bench/report.{json,md}.
     #[command(after_help = "Example: tollgate-dev bench --jobs 10000 --runs 3")]
     Bench(BenchArgs),
 }

@@ -17,10 +17,15 @@
 //! - `sweep`: the noisy neighbour (quiet tenants on the noisy queue and on
 //!   another), scheduled jobs, the 8-process adherence and 200 tenants at
 //!   once, with worker processes at `TOLLGATE_CONCURRENCY` 4, 16, 64, 256.
-//! - `peer`: Dramatiq (from PyPI, installed into a venv under `target/`)
-//!   with its RabbitMQ broker and a Redis-backed rate limiter per tenant,
-//!   through the throughput, adherence, noisy-neighbour and due-precision
-//!   scenarios; its figures are set beside tollgate's in a comparison table.
+//! - `peer`: the peers, each through the throughput, adherence,
+//!   noisy-neighbour and due-precision scenarios, their figures set beside
+//!   tollgate's in one comparison table (tollgate vs Dramatiq vs BullMQ):
+//!   `peer_dramatiq` (scenario keys `peer_*`), Dramatiq (from PyPI,
+//!   installed into a venv under `target/`) with its RabbitMQ broker and a
+//!   Redis-backed rate limiter per tenant; `peer_bullmq` (keys
+//!   `peer_bullmq_*`), BullMQ (from npm, `npm ci` of a committed lockfile
+//!   into `target/bench-node`) on Redis alone, with a queue and its rate
+//!   limit per tenant.
 
 mod fairness;
 mod pacing;
@@ -53,7 +58,8 @@ pub struct BenchArgs {
     /// Only these scenarios (throughput, pipeline, permits, pacing,
     /// fairness, sweep, peer; or one point of the pipeline comparison:
     /// pipeline_p4, pipeline_p16, pipeline_p64, pipeline_p256; or of the
-    /// sweep: sweep_c4, sweep_c16, sweep_c64, sweep_c256, sweep_p4).
+    /// sweep: sweep_c4, sweep_c16, sweep_c64, sweep_c256, sweep_p4; or one
+    /// peer: peer_dramatiq, peer_bullmq). `peer` runs both peers.
     #[arg(long, value_delimiter = ',')]
     pub only: Vec<String>,
     /// Where report.json and report.md go.
@@ -62,6 +68,10 @@ pub struct BenchArgs {
     /// The venv the Dramatiq peer is installed into (created if missing).
     #[arg(long, default_value = "target/bench-venv")]
     pub peer_venv: PathBuf,
+    /// The directory the BullMQ peer is installed into with `npm ci`
+    /// (created if missing; reinstalled when its lockfile changed).
+    #[arg(long, default_value = "target/bench-node")]
+    pub peer_node_dir: PathBuf,
 }
 
 /// One measured figure: its samples, unit and target.
@@ -116,29 +126,36 @@ pub struct Scenario {
     pub figures: Vec<Figure>,
 }
 
-/// A figure measured on both sides in this run: tollgate's median and the
-/// peer's.
+/// A figure measured by at least two sides in this run: tollgate's median
+/// and each peer's, where it ran.
 pub struct Compared {
     pub scenario: &'static str,
     pub figure: &'static str,
     pub unit: &'static str,
-    pub tollgate: f64,
-    pub peer: f64,
+    pub tollgate: Option<f64>,
+    /// In [`peer::Framework::ALL`] order.
+    pub peers: [Option<f64>; peer::Framework::ALL.len()],
 }
 
 impl Compared {
-    /// peer / tollgate, when that means something.
-    fn ratio(&self) -> Option<f64> {
-        let r = self.peer / self.tollgate;
-        (self.tollgate != 0.0 && r.is_finite()).then_some(r)
+    /// A peer's median / tollgate's, when that means something.
+    fn ratio(&self, peer: usize) -> Option<f64> {
+        let (t, p) = (self.tollgate?, self.peers[peer]?);
+        let r = p / t;
+        (t != 0.0 && r.is_finite()).then_some(r)
     }
 
     fn json(&self) -> serde_json::Value {
-        json!({
+        let mut j = json!({
             "scenario": self.scenario, "figure": self.figure, "unit": self.unit,
-            "tollgate": round(self.tollgate), "dramatiq": round(self.peer),
-            "dramatiq_over_tollgate": self.ratio().map(round),
-        })
+            "tollgate": self.tollgate.map(round),
+        });
+        for (i, f) in peer::Framework::ALL.into_iter().enumerate() {
+            let id = peer::id(f);
+            j[id] = json!(self.peers[i].map(round));
+            j[format!("{id}_over_tollgate")] = json!(self.ratio(i).map(round));
+        }
+        j
     }
 }
 
@@ -202,15 +219,19 @@ pub async fn run(base: &Config, args: &BenchArgs) -> anyhow::Result<()> {
     // `sweep` runs every point; `sweep_c4`, `sweep_p4`, … one each.
     let point = |key: &str| wanted("sweep") || (!args.only.is_empty() && wanted(key));
     scenarios.extend(sweep::run(base, point).await.context("concurrency sweep")?);
-    let mut peer_versions = serde_json::Value::Null;
-    if wanted("peer") {
-        let (peer, versions) = peer::run(base, args)
-            .await
-            .context("Dramatiq peer scenarios")?;
-        scenarios.extend(peer);
-        peer_versions = versions;
+    // `peer` runs every peer; `peer_dramatiq`, `peer_bullmq` one each.
+    let mut peer_versions = serde_json::Map::new();
+    for framework in peer::Framework::ALL {
+        if wanted("peer") || (!args.only.is_empty() && wanted(framework.only_key())) {
+            let (peer, versions) = peer::run(framework, base, args)
+                .await
+                .with_context(|| format!("{} peer scenarios", framework.name()))?;
+            scenarios.extend(peer);
+            peer_versions.insert(peer::id(framework).to_owned(), versions);
+        }
     }
     let compared = peer::compare(&scenarios);
+    let notes = peer::caveats(&scenarios);
 
     let report = json!({
         "machine": {
@@ -227,13 +248,13 @@ pub async fn run(base: &Config, args: &BenchArgs) -> anyhow::Result<()> {
             "figures": s.figures.iter().map(|f| (f.name.to_owned(), f.json())).collect::<serde_json::Map<_, _>>(),
         }))).collect::<serde_json::Map<_, _>>(),
         "comparison": compared.iter().map(Compared::json).collect::<Vec<_>>(),
-        "comparison_notes": if compared.is_empty() { &[][..] } else { peer::CAVEATS },
+        "comparison_notes": notes,
     });
     std::fs::create_dir_all(&args.out)
         .with_context(|| format!("creating {}", args.out.display()))?;
     let json_path = args.out.join("report.json");
     std::fs::write(&json_path, serde_json::to_string_pretty(&report)?)?;
-    let md = markdown(&report, &scenarios, &compared);
+    let md = markdown(&report, &scenarios, &compared, &notes);
     let md_path = args.out.join("report.md");
     std::fs::write(&md_path, &md)?;
     println!("{md}");
@@ -255,7 +276,12 @@ fn command_version(cmd: &str, args: &[&str]) -> String {
         .unwrap_or_else(|| "unknown".into())
 }
 
-fn markdown(report: &serde_json::Value, scenarios: &[Scenario], compared: &[Compared]) -> String {
+fn markdown(
+    report: &serde_json::Value,
+    scenarios: &[Scenario],
+    compared: &[Compared],
+    notes: &[&str],
+) -> String {
     let m = &report["machine"];
     let mut out = format!(
         "# tollgate bench\n\nMachine: {} cores; tollgate {}; RabbitMQ {}; {}; {} build.\n",
@@ -265,43 +291,54 @@ fn markdown(report: &serde_json::Value, scenarios: &[Scenario], compared: &[Comp
         m["redis"].as_str().unwrap_or("?"),
         m["profile"].as_str().unwrap_or("?"),
     );
-    if let Some(peer) = m["peer"].as_object() {
-        let version = |k: &str| {
-            peer.get(k)
-                .and_then(|v| v.as_str())
-                .unwrap_or("?")
-                .to_owned()
-        };
-        out.push_str(&format!(
-            "Peer: Dramatiq {} (pika {}, redis-py {}, Python {}).\n",
-            version("dramatiq"),
-            version("pika"),
-            version("redis"),
-            version("python"),
-        ));
+    for line in peer::version_lines(&m["peer"]) {
+        out.push_str(&format!("{line}\n"));
     }
     if !compared.is_empty() {
-        out.push_str(
-            "\n## tollgate vs Dramatiq, same machine, same run\n\n\
-             Medians; each side's setup is in its scenario's parameters below.\n\n\
-             | scenario | figure | tollgate | Dramatiq | Dramatiq / tollgate | unit |\n|---|---|---|---|---|---|\n",
-        );
+        // A column (and a ratio to tollgate) for each peer that ran.
+        let peers: Vec<usize> = (0..peer::Framework::ALL.len())
+            .filter(|&i| compared.iter().any(|c| c.peers[i].is_some()))
+            .collect();
+        let names: Vec<&str> = peers
+            .iter()
+            .map(|&i| peer::Framework::ALL[i].name())
+            .collect();
+        out.push_str(&format!(
+            "\n## tollgate vs {}, same machine, same run\n\n\
+             Medians, at equal concurrency where the setups allow (each side's setup is in its \
+             scenario's parameters below); — where a side did not run.\n\n\
+             | scenario | figure | tollgate | {} | {} | unit |\n|---|---|---|{}---|\n",
+            names.join(" vs "),
+            names.join(" | "),
+            names
+                .iter()
+                .map(|n| format!("{n} / tollgate"))
+                .collect::<Vec<_>>()
+                .join(" | "),
+            "---|---|".repeat(names.len()),
+        ));
+        let cell = |v: Option<f64>| v.map(|v| round(v).to_string()).unwrap_or("—".into());
         for c in compared {
-            let j = c.json();
+            let values = peers.iter().map(|&i| cell(c.peers[i]));
+            let ratios = peers.iter().map(|&i| {
+                c.ratio(i)
+                    .map(|r| format!("{r:.2}"))
+                    .unwrap_or_else(|| "—".into())
+            });
             out.push_str(&format!(
                 "| {} | {} | {} | {} | {} | {} |\n",
                 c.scenario,
                 c.figure,
-                j["tollgate"],
-                j["dramatiq"],
-                c.ratio()
-                    .map(|r| format!("{:.2}", r))
-                    .unwrap_or_else(|| "—".into()),
+                cell(c.tollgate),
+                values.collect::<Vec<_>>().join(" | "),
+                ratios.collect::<Vec<_>>().join(" | "),
                 c.unit
             ));
         }
-        out.push_str("\nRead with care:\n\n");
-        for note in peer::CAVEATS {
+    }
+    if !notes.is_empty() {
+        out.push_str("\nRead the peers' figures with care:\n\n");
+        for note in notes {
             out.push_str(&format!("- {note}\n"));
         }
     }
@@ -324,4 +361,54 @@ fn markdown(report: &serde_json::Value, scenarios: &[Scenario], compared: &[Comp
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn scenario(key: &'static str, figure: &'static str, value: f64) -> Scenario {
+        Scenario {
+            key,
+            title: key,
+            parameters: json!({}),
+            figures: vec![Figure::new(figure, "jobs/s", vec![value])],
+        }
+    }
+
+    /// A row for each figure two sides measured, a column and a ratio for
+    /// each peer that ran, and each peer's notes.
+    #[test]
+    fn comparison_sets_the_peers_beside_tollgate() {
+        let scenarios = [
+            scenario("throughput", "tollgate, one worker", 100.0),
+            scenario("peer_throughput", "dramatiq, one worker", 50.0),
+            scenario(
+                "peer_bullmq_throughput",
+                "bullmq, one worker (2 node processes)",
+                200.0,
+            ),
+        ];
+        let compared = peer::compare(&scenarios);
+        assert_eq!(compared.len(), 1);
+        assert_eq!(compared[0].tollgate, Some(100.0));
+        assert_eq!(compared[0].peers, [Some(50.0), Some(200.0)]);
+        let j = compared[0].json();
+        assert_eq!(j["dramatiq_over_tollgate"], json!(0.5));
+        assert_eq!(j["bullmq_over_tollgate"], json!(2.0));
+        let notes = peer::caveats(&scenarios);
+        let report = json!({ "machine": {} });
+        let md = markdown(&report, &[], &compared, &notes);
+        assert!(md.contains(
+            "| tollgate | Dramatiq | BullMQ | Dramatiq / tollgate | BullMQ / tollgate | unit |"
+        ));
+        assert!(md.contains("| 100 | 50 | 200 | 0.50 | 2.00 | jobs/s |"));
+        assert!(notes.iter().any(|n| n.contains("BullMQ")));
+
+        // BullMQ alone beside tollgate: one peer column.
+        let [tollgate, _, bullmq] = scenarios;
+        let compared = peer::compare(&[tollgate, bullmq]);
+        let md = markdown(&report, &[], &compared, &[]);
+        assert!(md.contains("| tollgate | BullMQ | BullMQ / tollgate | unit |"));
+    }
 }
