@@ -444,9 +444,16 @@ local function permit(KEYS, ARGV)
     if route then
       advance(route_tat_key, route_tat, route)
       -- The send used a place of the tenant's share: the next is a spacing on.
-      -- (A job back for a share place finds the line already past it.)
+      -- A fresh job may go out before the tenant's next place (the route had
+      -- a slot free within its window): it uses that place, so a tenant
+      -- whose jobs ask often cannot take free slots beyond its share. A job
+      -- back for a share place finds the line already past it.
       local at = line_at(route_share_key, share)
-      if not at or at < send + share[1] then push_line(route_share_key, send + share[1], share) end
+      if not remaining then
+        push_line(route_share_key, math.max(at or send, send) + share[1], share)
+      elseif not at or at < send + share[1] then
+        push_line(route_share_key, send + share[1], share)
+      end
     end
 
     local lease_ms = tonumber(lease_ttl_ms) + math.ceil(delay / 1000)
