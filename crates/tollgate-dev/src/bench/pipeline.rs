@@ -4,7 +4,9 @@
 //! many deliveries in flight. It runs on the same broker, Redis and local
 //! provider as one tollgate worker process with `TOLLGATE_CONCURRENCY` and
 //! `TOLLGATE_PREFETCH` both set to that number. That is the honest ceiling
-//! for this work; a bare consume→ack loop is not.
+//! for this work; a bare consume→ack loop is not. For tollgate it also
+//! reports Redis round trips per job, CPU-seconds per 1,000 jobs and the
+//! worker's peak RSS at each prefetch.
 
 use std::time::Instant;
 
@@ -57,6 +59,7 @@ pub async fn run(
             continue;
         }
         let (mut minimal, mut tollgate, mut trips) = (vec![], vec![], vec![]);
+        let (mut cpu, mut rss) = (vec![], vec![]);
         for i in 1..=args.runs {
             progress(&format!(
                 "pipeline prefetch {prefetch} {i}/{}: minimal pipeline, {} jobs",
@@ -76,6 +79,8 @@ pub async fn run(
             .await?;
             tollgate.push(run.jobs_per_s);
             trips.push(run.round_trips_per_job);
+            cpu.push(1_000.0 / run.jobs_per_cpu_second);
+            rss.push(run.peak_rss_mib);
         }
         let ratios = tollgate.iter().zip(&minimal).map(|(t, m)| t / m).collect();
         out.push(Scenario {
@@ -95,6 +100,8 @@ pub async fn run(
                 Figure::new("tollgate / minimal pipeline", "ratio", ratios).target(">= 0.8"),
                 Figure::new("tollgate: Redis round trips per job", "calls", trips)
                     .target("<= 1.0 at prefetch >= 16"),
+                Figure::new("tollgate: CPU-seconds per 1,000 jobs", "cpu-s", cpu),
+                Figure::new("tollgate: peak RSS of the worker", "MiB", rss),
             ],
         });
     }

@@ -209,6 +209,8 @@ pub(super) struct ThroughputRun {
     pub jobs_per_s: f64,
     pub round_trips_per_job: f64,
     pub jobs_per_cpu_second: f64,
+    /// Peak resident memory of the worker process over the run.
+    pub peak_rss_mib: f64,
 }
 
 /// One tollgate worker process (with `extra` environment) through `n` jobs
@@ -242,11 +244,13 @@ pub(super) async fn tollgate_process(
     tokio::time::sleep(Duration::from_millis(300)).await;
     let cpu = rig::cpu_seconds(worker.pid)? - cpu_before;
     let trips = client_round_trips(&redis).await? - trips_before;
+    let peak_rss_mib = rig::peak_rss_mib(worker.pid)?;
     rig.cleanup().await?;
     Ok(ThroughputRun {
         jobs_per_s: (total - 1) as f64 / elapsed.as_secs_f64(),
         round_trips_per_job: trips as f64 / total as f64,
         jobs_per_cpu_second: total as f64 / cpu,
+        peak_rss_mib,
     })
 }
 
