@@ -5,14 +5,15 @@
 //! Every key a script touches is passed in `KEYS` (none is built inside a
 //! script), and a tenant's keys share its `{tenant}` hash tag.
 
-/// A script of `src/lua/`, with the shared prelude (`now_us`) prepended.
+/// Scripts of `src/lua/` joined into one, in order, with the shared prelude
+/// (`now_us`) prepended.
 #[macro_export]
 #[doc(hidden)]
 macro_rules! lua {
-    ($file:literal) => {
+    ($($file:literal),+) => {
         concat!(
             include_str!("lua/prelude.lua"),
-            include_str!(concat!("lua/", $file))
+            $(include_str!(concat!("lua/", $file))),+
         )
     };
 }

@@ -29,12 +29,7 @@ use crate::{Keys, QuotaError, Redis};
 
 /// The permit and completion scripts, called in batches through
 /// `batch.lua`.
-static BATCH_LUA: &str = concat!(
-    include_str!("lua/prelude.lua"),
-    include_str!("lua/complete.lua"),
-    include_str!("lua/permit.lua"),
-    include_str!("lua/batch.lua"),
-);
+static BATCH_LUA: &str = crate::lua!("complete.lua", "permit.lua", "batch.lua");
 
 /// The permit script's keys, by name: the one place the Rust side writes
 /// its positional contract (`permit.lua` binds the same names in the same
@@ -400,6 +395,7 @@ struct Call {
 /// jobs. Each job gets the reply to its own group, from the call that
 /// carried it: "acked only after the sent record is written" holds per job.
 struct Batched {
+    redis: Arc<Redis>,
     script: Script,
     /// Started with the first call, inside the runtime; ends when the
     /// permit store is dropped.
@@ -407,8 +403,9 @@ struct Batched {
 }
 
 impl Batched {
-    fn new() -> Self {
+    fn new(redis: Arc<Redis>) -> Self {
         Self {
+            redis,
             script: Script::new(BATCH_LUA),
             queue: OnceLock::new(),
         }
@@ -416,7 +413,6 @@ impl Batched {
 
     async fn call(
         &self,
-        redis: &Arc<Redis>,
         group: Group,
         keys: Vec<String>,
         args: Vec<String>,
@@ -424,7 +420,7 @@ impl Batched {
         let queue = self.queue.get_or_init(|| {
             let (queue, calls) = mpsc::unbounded_channel();
             tokio::spawn(call_in_batches(
-                Arc::clone(redis),
+                Arc::clone(&self.redis),
                 self.script.clone(),
                 calls,
             ));
@@ -514,10 +510,10 @@ pub enum Reply {
 impl RedisPermits {
     pub fn new(redis: Arc<Redis>, keys: Keys, settings: PermitSettings) -> Self {
         Self {
+            calls: Batched::new(Arc::clone(&redis)),
             redis,
             keys,
             settings,
-            calls: Batched::new(),
             local: Mutex::new(HashMap::new()),
         }
     }
@@ -556,7 +552,7 @@ impl RedisPermits {
         let keys = PermitKeys::new(&self.keys, &req).in_order().into();
         let reply = self
             .calls
-            .call(&self.redis, Group::Permit, keys, args.in_order().into())
+            .call(Group::Permit, keys, args.in_order().into())
             .await?;
         let at = |i: usize| Duration::from_micros(reply.get(i).copied().unwrap_or(0).max(0) as u64);
         let decision = match reply.first().copied() {
@@ -629,10 +625,7 @@ impl RedisPermits {
             now_micros.map(|n| n.to_string()).unwrap_or_default(),
             scope.to_owned(),
         ];
-        self.calls
-            .call(&self.redis, Group::Complete, keys, args)
-            .await
-            .map(drop)
+        self.calls.call(Group::Complete, keys, args).await.map(drop)
     }
 
     fn state(&self, key: &LocalKey) -> Arc<KeyState> {

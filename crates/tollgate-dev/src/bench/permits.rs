@@ -39,7 +39,7 @@ pub async fn run(base: &Config, args: &BenchArgs) -> anyhow::Result<Scenario> {
             Figure::new("permit script", "decisions/s", permit),
             Figure::new("trivial EVALSHA", "calls/s", trivial),
             Figure::new("permit / trivial", "ratio", ratios),
-            Figure::new("Redis round trips per decision", "calls", trips).target("1"),
+            Figure::new("Redis round trips per decision", "calls", trips).target("<= 1"),
         ],
     })
 }

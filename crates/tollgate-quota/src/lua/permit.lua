@@ -389,18 +389,20 @@ local function permit(KEYS, ARGV)
         -- if the quota changed since it was given. (`place` is when to come
         -- back: `reserve` before the slot itself.) A place on the share line
         -- has come (above).
-        local place = respace(now + remaining, tonumber(returning_interval_us), b)
-        if b ~= share and place - now > reserve then
+        if b ~= share then
+          local place = respace(now + remaining, tonumber(returning_interval_us), b)
+          if place - now > reserve then
             return {1, math.ceil(place - now), math.floor(b[1]), 1, 1}
+          end
         end
         if b_ahead then
           -- Its place has come, but places of a class served first are still
           -- out: it goes right after them, ahead of its own class's line.
-          place = math.max(b_ahead - b[1] * (b[2] - 1), penalty) - reserve
+          local place = math.max(b_ahead - b[1] * (b[2] - 1), penalty) - reserve
           -- Their jobs have not come for them yet: look again a slot later,
           -- never at once (their places pass with time).
           if place <= now then place = now + b[1] end
-            return {1, math.ceil(place - now), math.floor(b[1]), 1, 1}
+          return {1, math.ceil(place - now), math.floor(b[1]), 1, 1}
         end
         if b == share then
           -- Its share's place has come and the route is busy past the window
