@@ -100,6 +100,53 @@ async fn the_binary_runs_a_worker_and_every_verb_works() {
         String::from_utf8_lossy(&bad.stderr).contains("weight 0 is not between 1 and 1000"),
         "{bad:?}"
     );
+    // An adaptive quota: the rate is the ceiling; get shows what is learned.
+    let out = tollgate(
+        &env,
+        &[
+            "quota",
+            "set",
+            "globex",
+            "--rate",
+            "20/s",
+            "--adaptive",
+            "--min",
+            "2/s",
+        ],
+    );
+    assert!(
+        out.contains("→ 20/s burst 1, adaptive (min 2/s, decrease 0.7, increase 0.05, probe 15 s)"),
+        "{out}"
+    );
+    let out = tollgate(&env, &["quota", "get", "globex"]);
+    assert!(out.contains("effective 20/s"), "{out}");
+    for (args, says) in [
+        (
+            vec!["--rate", "20/s", "--adaptive", "--min", "30/s"],
+            "--min 30/s is above the rate 20/s",
+        ),
+        (
+            vec!["--rate", "20/s", "--adaptive", "--min", "fast"],
+            "is not of the form N/s",
+        ),
+        (vec!["--rate", "20/s", "--min", "2/s"], "--adaptive"),
+        (
+            vec!["--rate", "20/s", "--shadow", "--adaptive"],
+            "not to --shadow",
+        ),
+    ] {
+        let bad = Command::new(tollgate_bin())
+            .args(["quota", "set", "globex"])
+            .args(&args)
+            .env("TOLLGATE_PREFIX", &env.config.prefix)
+            .output()
+            .unwrap();
+        assert!(!bad.status.success(), "{args:?}");
+        let stderr = String::from_utf8_lossy(&bad.stderr);
+        assert!(stderr.contains(says), "{args:?}: {stderr}");
+    }
+    let out = tollgate(&env, &["quota", "get", "globex"]);
+    assert!(out.contains("min 2/s"), "nothing changed: {out}");
     let out = tollgate(&env, &["quota", "get", "nobody"]);
     assert!(
         out.contains("the default 10/s burst 1 (from config) applies"),

@@ -452,6 +452,7 @@ async fn route_of_30_per_second(quotas: &QuotaStore) -> Kind {
         quota: Quota::new("30/s".parse().unwrap(), 1).unwrap(),
         concurrency: None,
         weight: None,
+        adaptive: None,
     };
     let target = tollgate_quota::Target::Route(route.clone());
     quotas.apply(&target, change, &test_actor()).await.unwrap();

@@ -42,6 +42,7 @@ async fn a_route_bucket_caps_two_tenants_together() {
             quota: quota("10/s", 1),
             concurrency: None,
             weight: None,
+            adaptive: None,
         },
     )
     .await;
@@ -304,6 +305,85 @@ async fn a_429_slows_every_worker_and_loses_nothing() {
     env.cleanup().await;
 }
 
+/// A quota set above what the provider allows learns the provider's limit:
+/// the effective rate falls below the ceiling, every pod enforces it (the
+/// later sends meet fewer 429s than the first), and nothing is lost or
+/// sent twice on the way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_adaptive_quota_learns_the_providers_limit_and_loses_nothing() {
+    let provider = FakeProvider::start(fake_provider::strict_limits(
+        [("learner".to_owned(), 5)].into(),
+    ))
+    .await
+    .unwrap();
+    let env = TestEnv::new(&provider.url()).await;
+    let ceiling = quota("20/s", 1);
+    let adaptive = tollgate_core::Adaptive::new(ceiling.rate, None, None, None, None).unwrap();
+    env.change(
+        tenant("learner"),
+        Change::SetQuota {
+            quota: ceiling,
+            concurrency: None,
+            weight: None,
+            adaptive: Some(adaptive),
+        },
+    )
+    .await;
+    let workers = [env.spawn_worker().await, env.spawn_worker().await];
+    env.publish("learner", 100, |_| {}).await;
+    wait_for("all 100 sent", Duration::from_secs(90), || async {
+        provider.accepted() >= 100
+    })
+    .await;
+    let received = provider.received();
+    assert_eq!(sent_keys(&received).len(), 100, "every job sent");
+    let accepted: Vec<&Received> = received.iter().filter(|r| r.status == 200).collect();
+    assert_eq!(accepted.len(), 100, "none sent twice");
+    let halfway = accepted[49].instant;
+    let throttled = |early: bool| {
+        received
+            .iter()
+            .filter(|r| r.status == 429 && (r.instant < halfway) == early)
+            .count()
+    };
+    assert!(
+        throttled(true) > 0,
+        "the ceiling is above the provider's limit"
+    );
+    assert!(
+        throttled(false) < throttled(true),
+        "{} × 429 in the last 50 sends, {} in the first",
+        throttled(false),
+        throttled(true)
+    );
+    let learned = env.quotas.get(&tenant("learner")).await.unwrap().unwrap();
+    let effective = learned.effective.unwrap();
+    assert!(
+        effective < 20.0 && effective >= adaptive.min.per_second(),
+        "{learned:?}"
+    );
+    let reported = workers
+        .iter()
+        .filter_map(|w| {
+            w.metrics
+                .render()
+                .lines()
+                .find(|l| l.starts_with("tollgate_quota_effective_rate{tenant=\"learner\"}"))
+                .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        })
+        .collect::<Vec<_>>();
+    assert!(
+        !reported.is_empty() && reported.iter().all(|&r| r < 20.0),
+        "{reported:?}"
+    );
+    for w in workers {
+        let dead = w.metrics.counter_sum("tollgate_dead_letters_total", &[]);
+        assert_eq!(dead, 0.0);
+        w.stop().await.unwrap();
+    }
+    env.cleanup().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrency_limits_in_flight_calls_across_the_fleet() {
     let provider = FakeProvider::start(Arc::new(|_: &Received, _| {
@@ -318,6 +398,7 @@ async fn concurrency_limits_in_flight_calls_across_the_fleet() {
             quota: quota("100/s", 10),
             concurrency: Some(2),
             weight: None,
+            adaptive: None,
         },
     )
     .await;
@@ -596,6 +677,65 @@ async fn the_admin_api_needs_the_right_token() {
     let history = env.quotas.history(Some(&tenant("acme")), 1).await.unwrap();
     assert_eq!(history[0].action, "weight");
     assert_eq!(history[0].who, "api:alice");
+
+    // An adaptive quota: the rate is the ceiling, and both come back.
+    let adaptive = put_weight(
+        "/v1/tenants/globex/quota",
+        serde_json::json!({"rate": "20/s", "adaptive": {"min": "2/s"}}),
+    )
+    .await
+    .unwrap();
+    assert_eq!(adaptive.status(), 200);
+    let body: serde_json::Value = adaptive.json().await.unwrap();
+    assert_eq!(body["new"]["quota"]["rate"], "20/s");
+    assert_eq!(body["new"]["adaptive"]["min"], "2/s");
+    assert_eq!(body["new"]["adaptive"]["decrease"], 0.7);
+    let shown: serde_json::Value = http
+        .get(url("/v1/tenants/globex/quota"))
+        .bearer_auth("right-token-0123456789")
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(
+        shown["effective_rate_per_s"], 20.0,
+        "nothing learned yet: the ceiling"
+    );
+    for (path, body, says) in [
+        (
+            "/v1/tenants/globex/quota",
+            serde_json::json!({"rate": "20/s", "adaptive": {"min": "30/s"}}),
+            "above the rate",
+        ),
+        (
+            "/v1/tenants/globex/quota",
+            serde_json::json!({"rate": "20/s", "adaptive": {"decrease": 1.5}}),
+            "not between 0.1 and 0.95",
+        ),
+        (
+            "/v1/tenants/globex/quota",
+            serde_json::json!({"rate": "20/s", "adaptive": {"slow": true}}),
+            "unknown field",
+        ),
+        (
+            "/v1/default-quota",
+            serde_json::json!({"rate": "20/s", "adaptive": {}}),
+            "the default is shared",
+        ),
+    ] {
+        let refused = put_weight(path, body).await.unwrap();
+        assert!(refused.status().is_client_error(), "{path}");
+        let message = refused.text().await.unwrap();
+        assert!(message.contains(says), "{message}");
+    }
+    let stored = env.quotas.get(&tenant("globex")).await.unwrap().unwrap();
+    assert_eq!(
+        stored.adaptive.unwrap().min.to_string(),
+        "2/s",
+        "nothing changed"
+    );
     env.cleanup().await;
 }
 

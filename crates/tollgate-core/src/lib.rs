@@ -7,6 +7,7 @@
 //! decision logic is tested as a state machine with injected time. Adapters
 //! (AMQP, Redis, HTTP) implement the small traits in [`ports`].
 
+pub mod adaptive;
 pub mod backoff;
 pub mod clock;
 pub mod ids;
@@ -18,6 +19,7 @@ pub mod run;
 pub mod secret;
 pub mod tiers;
 
+pub use adaptive::{Adaptive, Learning, Tuning};
 pub use clock::{Clock, UnixMillis};
 pub use ids::{IdempotencyKey, JobId, Kind, TenantId};
 pub use job::{Job, Malformed, Priority, Progress};

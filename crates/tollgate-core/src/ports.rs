@@ -65,6 +65,14 @@ pub struct Penalty {
     pub scope: ThrottleScope,
 }
 
+/// The effective rates (per second) of the adaptive quotas a completion
+/// taught, as they stand after it; `None` where the quota does not adapt.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Learned {
+    pub tenant: Option<f64>,
+    pub route: Option<f64>,
+}
+
 /// The fleet-wide permit decision (one atomic call) and its bookkeeping.
 pub trait PermitStore: Send + Sync + 'static {
     type Error: std::error::Error + Send + Sync + 'static;
@@ -81,13 +89,13 @@ pub trait PermitStore: Send + Sync + 'static {
     /// After a provider call: record the key when `sent`, release the lease
     /// and concurrency slot, and on a 429 push the tenant's (or, by the
     /// route's scope, the route's) bucket past `penalty` so every pod backs
-    /// off.
+    /// off. Adaptive quotas learn from the same outcome.
     fn complete(
         &self,
         req: PermitRequest<'_>,
         sent: bool,
         penalty: Option<Penalty>,
-    ) -> impl Future<Output = Result<(), Self::Error>> + Send;
+    ) -> impl Future<Output = Result<Learned, Self::Error>> + Send;
 }
 
 /// One provider call for one job.

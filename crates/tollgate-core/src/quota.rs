@@ -31,6 +31,8 @@ pub enum QuotaError {
     TooFast(String),
     #[error("weight {0} is not between 1 and {max}", max = MAX_WEIGHT)]
     Weight(u32),
+    #[error("{0}")]
+    Adaptive(String),
 }
 
 /// The largest weight a tenant may have on a shared route.

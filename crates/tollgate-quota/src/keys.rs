@@ -74,6 +74,12 @@ impl Keys {
         self.tenant_key("inflight", tenant)
     }
 
+    /// Hash: what the tenant's adaptive quota learned (the effective rate
+    /// and the state that moves it; see `adapt.lua`).
+    pub fn adapt(&self, tenant: &TenantId) -> String {
+        self.tenant_key("adapt", tenant)
+    }
+
     pub fn shadow_tat(&self, tenant: &TenantId) -> String {
         self.tenant_key("shadow-tat", tenant)
     }
@@ -121,6 +127,11 @@ impl Keys {
         self.route_key("weights", route)
     }
 
+    /// Hash: what the route's adaptive quota learned.
+    pub fn route_adapt(&self, route: &Kind) -> String {
+        self.route_key("adapt", route)
+    }
+
     pub fn route_penalty(&self, route: &Kind) -> String {
         self.route_key("penalty", route)
     }
@@ -128,6 +139,12 @@ impl Keys {
     /// Hash `count`, `period_ms`, `burst`: the quota of tenants with none.
     pub fn default_quota(&self) -> String {
         format!("{}:quota-default", self.prefix)
+    }
+
+    /// Never written: the default quota does not adapt (it is shared by
+    /// tenants whose providers' limits differ).
+    pub fn default_adapt(&self) -> String {
+        format!("{}:adapt-default", self.prefix)
     }
 
     /// Set of tenants with stored settings (for `quota list`).

@@ -22,14 +22,15 @@ use std::time::{Duration, Instant};
 
 use redis::Script;
 use tokio::sync::{mpsc, oneshot};
-use tollgate_core::ports::{Penalty, PermitRequest, PermitStore, ThrottleScope};
+use tollgate_core::ports::{Learned, Penalty, PermitRequest, PermitStore, ThrottleScope};
 use tollgate_core::{Kind, PermitDecision, Priority, Quota, Shadow, TenantId};
 
-use crate::{Keys, QuotaError, Redis};
+use crate::store::AUDIT_MAX_LEN;
+use crate::{Keys, QuotaError, Redis, Target};
 
 /// The permit and completion scripts, called in batches through
 /// `batch.lua`.
-static BATCH_LUA: &str = crate::lua!("complete.lua", "permit.lua", "batch.lua");
+static BATCH_LUA: &str = crate::lua!("adapt.lua", "complete.lua", "permit.lua", "batch.lua");
 
 /// The permit script's keys, by name: the one place the Rust side writes
 /// its positional contract (`permit.lua` binds the same names in the same
@@ -54,11 +55,13 @@ struct PermitKeys {
     tenant_waiting_low_key: String,
     route_active_key: String,
     route_weights_key: String,
+    tenant_adapt_key: String,
+    route_adapt_key: String,
 }
 
 impl PermitKeys {
     #[cfg(test)]
-    const NAMES: [&'static str; 19] = [
+    const NAMES: [&'static str; 21] = [
         "tenant_quota_key",
         "tenant_tat_key",
         "tenant_waiting_key",
@@ -78,6 +81,8 @@ impl PermitKeys {
         "tenant_waiting_low_key",
         "route_active_key",
         "route_weights_key",
+        "tenant_adapt_key",
+        "route_adapt_key",
     ];
 
     fn new(k: &Keys, req: &PermitRequest<'_>) -> Self {
@@ -101,11 +106,13 @@ impl PermitKeys {
             tenant_waiting_low_key: k.waiting_low(req.tenant),
             route_active_key: k.route_active(req.route),
             route_weights_key: k.route_weights(req.route),
+            tenant_adapt_key: k.adapt(req.tenant),
+            route_adapt_key: k.route_adapt(req.route),
         }
     }
 
     /// In [`PermitKeys::NAMES`] order.
-    fn in_order(self) -> [String; 19] {
+    fn in_order(self) -> [String; 21] {
         [
             self.tenant_quota_key,
             self.tenant_tat_key,
@@ -126,6 +133,8 @@ impl PermitKeys {
             self.tenant_waiting_low_key,
             self.route_active_key,
             self.route_weights_key,
+            self.tenant_adapt_key,
+            self.route_adapt_key,
         ]
     }
 }
@@ -604,7 +613,7 @@ impl RedisPermits {
         sent: bool,
         penalty: Option<Penalty>,
         now_micros: Option<u64>,
-    ) -> Result<(), QuotaError> {
+    ) -> Result<Learned, QuotaError> {
         let scope = match penalty.map(|p| p.scope) {
             Some(ThrottleScope::Route) => "route",
             _ => "tenant",
@@ -615,6 +624,11 @@ impl RedisPermits {
             self.keys.in_flight(req.tenant),
             self.keys.penalty(req.tenant),
             self.keys.route_penalty(req.route),
+            self.keys.quota(req.tenant),
+            self.keys.adapt(req.tenant),
+            self.keys.route_quota(req.route),
+            self.keys.route_adapt(req.route),
+            self.keys.audit(),
         ];
         let args = vec![
             req.lease_token.to_owned(),
@@ -624,8 +638,20 @@ impl RedisPermits {
             penalty.map(|p| micros(p.wait)).unwrap_or(0).to_string(),
             now_micros.map(|n| n.to_string()).unwrap_or_default(),
             scope.to_owned(),
+            Target::Tenant(req.tenant.clone()).label(),
+            Target::Route(req.route.clone()).label(),
+            AUDIT_MAX_LEN.to_string(),
         ];
-        self.calls.call(Group::Complete, keys, args).await.map(drop)
+        let reply = self.calls.call(Group::Complete, keys, args).await?;
+        let rate = |i: usize| match reply.get(i) {
+            Some(&milli) if milli >= 0 => Ok(Some(milli as f64 / 1000.0)),
+            Some(_) => Ok(None),
+            None => Err(QuotaError::BadReply(format!("completion {reply:?}"))),
+        };
+        Ok(Learned {
+            tenant: rate(1)?,
+            route: rate(2)?,
+        })
     }
 
     fn state(&self, key: &LocalKey) -> Arc<KeyState> {
@@ -702,7 +728,7 @@ impl PermitStore for RedisPermits {
         req: PermitRequest<'_>,
         sent: bool,
         penalty: Option<Penalty>,
-    ) -> Result<(), QuotaError> {
+    ) -> Result<Learned, QuotaError> {
         self.record(req, sent, penalty, None).await
     }
 }

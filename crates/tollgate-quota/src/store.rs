@@ -9,14 +9,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use redis::{AsyncCommands, Script};
-use tollgate_core::{IdempotencyKey, JobId, Kind, Quota, Rate, TenantId};
+use tollgate_core::{Adaptive, IdempotencyKey, JobId, Kind, Learning, Quota, Rate, TenantId};
 
 use crate::{Keys, QuotaError, Redis};
 
 static CHANGE_LUA: &str = crate::lua!("change.lua");
 
 /// Audit entries kept (approximately; older ones are trimmed).
-const AUDIT_MAX_LEN: u32 = 100_000;
+pub(crate) const AUDIT_MAX_LEN: u32 = 100_000;
 
 /// Whose settings: a tenant, a provider route's shared bucket, or the
 /// default quota of tenants with none.
@@ -45,6 +45,16 @@ impl Target {
         }
     }
 
+    /// Where an adaptive quota keeps what it learned (the default quota
+    /// never adapts; its key stays empty).
+    fn adapt(&self, keys: &Keys) -> String {
+        match self {
+            Self::Tenant(t) => keys.adapt(t),
+            Self::Route(r) => keys.route_adapt(r),
+            Self::Default => keys.default_adapt(),
+        }
+    }
+
     /// The set this target is listed in (for `quota list`), and its name
     /// there. The default quota is listed nowhere.
     fn index(&self, keys: &Keys) -> Option<(String, String)> {
@@ -57,14 +67,16 @@ impl Target {
 }
 
 /// A change to a target's settings.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Change {
-    /// Replace the enforced settings: the quota, the concurrency limit and
-    /// the weight on shared routes (`None` = none, weight 1).
+    /// Replace the enforced settings: the quota, the concurrency limit, the
+    /// weight on shared routes (`None` = none, weight 1), and whether the
+    /// quota adapts to the provider's 429s (its rate is then the ceiling).
     SetQuota {
         quota: Quota,
         concurrency: Option<u32>,
         weight: Option<u32>,
+        adaptive: Option<Adaptive>,
     },
     /// Change only the tenant's weight on the routes it shares.
     SetWeight(u32),
@@ -103,6 +115,20 @@ impl Change {
             };
             prefix.iter().copied().zip(values).collect::<Vec<_>>()
         };
+        let adaptive = |a: Option<Adaptive>| {
+            let values = match a {
+                Some(a) => [
+                    "1".to_owned(),
+                    a.min.count.to_string(),
+                    a.min.period.as_millis().to_string(),
+                    a.decrease.to_string(),
+                    a.increase.to_string(),
+                    a.probe.as_millis().to_string(),
+                ],
+                None => Default::default(),
+            };
+            ADAPTIVE.iter().copied().zip(values).collect::<Vec<_>>()
+        };
         const LIVE: [&str; 3] = ["count", "period_ms", "burst"];
         const SHADOW: [&str; 3] = ["shadow_count", "shadow_period_ms", "shadow_burst"];
         match self {
@@ -110,6 +136,7 @@ impl Change {
                 quota: q,
                 concurrency,
                 weight,
+                adaptive: a,
             } => {
                 let mut f = quota(&LIVE, Some(q));
                 f.push((
@@ -117,6 +144,7 @@ impl Change {
                     concurrency.map(|c| c.to_string()).unwrap_or_default(),
                 ));
                 f.push(("weight", weight.map(|w| w.to_string()).unwrap_or_default()));
+                f.extend(adaptive(a));
                 f
             }
             Self::SetWeight(w) => vec![("weight", w.to_string())],
@@ -127,6 +155,7 @@ impl Change {
                 f.extend(quota(&SHADOW, None));
                 f.push(("concurrency", String::new()));
                 f.push(("weight", String::new()));
+                f.extend(adaptive(None));
                 f
             }
             Self::Pause => vec![("paused", "1".into())],
@@ -143,10 +172,25 @@ pub struct Actor {
     pub source: &'static str,
 }
 
+/// The quota hash's fields of an adaptive quota (`adapt.lua` reads them).
+const ADAPTIVE: [&str; 6] = [
+    "adaptive",
+    "min_count",
+    "min_period_ms",
+    "decrease",
+    "increase",
+    "probe_ms",
+];
+
 /// Settings as stored.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct Settings {
     pub quota: Option<Quota>,
+    /// Set when the quota adapts: its rate is then the ceiling.
+    pub adaptive: Option<Adaptive>,
+    /// The rate an adaptive quota enforces now, per second (what the fleet
+    /// learned; an `adapt` audit entry's old and new).
+    pub effective: Option<f64>,
     pub concurrency: Option<u32>,
     /// Weight on the routes the tenant shares (`None` = 1).
     pub weight: Option<u32>,
@@ -158,15 +202,7 @@ pub struct Settings {
 
 impl Settings {
     fn from_fields(fields: &HashMap<String, String>) -> Result<Self, String> {
-        let num = |name: &str| -> Result<Option<u64>, String> {
-            fields
-                .get(name)
-                .map(|v| {
-                    v.parse()
-                        .map_err(|_| format!("{name} = {v:?} is not a number"))
-                })
-                .transpose()
-        };
+        let num = |name: &str| parsed::<u64>(fields, name);
         let quota = |c: &str, p: &str, b: &str| -> Result<Option<Quota>, String> {
             match (num(c)?, num(p)?, num(b)?) {
                 (Some(count), Some(period_ms), Some(burst)) => {
@@ -181,8 +217,28 @@ impl Settings {
                 _ => Err(format!("{c}, {p} and {b} must be set together")),
             }
         };
+        let float = |name: &str| parsed::<f64>(fields, name);
+        let adaptive = if fields.get("adaptive").is_some_and(|v| v == "1") {
+            let min = match (num("min_count")?, num("min_period_ms")?) {
+                (Some(count), Some(ms)) => Rate {
+                    count: u32::try_from(count).map_err(|_| "min_count is too large")?,
+                    period: Duration::from_millis(ms),
+                },
+                _ => return Err("min_count and min_period_ms must be set".into()),
+            };
+            Some(Adaptive {
+                min,
+                decrease: float("decrease")?.ok_or("decrease must be set")?,
+                increase: float("increase")?.ok_or("increase must be set")?,
+                probe: Duration::from_millis(num("probe_ms")?.ok_or("probe_ms must be set")?),
+            })
+        } else {
+            None
+        };
         Ok(Self {
             quota: quota("count", "period_ms", "burst")?,
+            adaptive,
+            effective: float("effective")?,
             concurrency: num("concurrency")?.map(|c| c as u32),
             weight: num("weight")?.map(|w| w as u32),
             paused: fields.get("paused").is_some_and(|v| v == "1"),
@@ -194,10 +250,17 @@ impl Settings {
 
     /// One line for humans: `20/s burst 1, concurrency 4, paused, shadow 5/s burst 1`.
     pub fn describe(&self) -> String {
-        let mut parts = vec![match self.quota {
-            Some(q) => q.to_string(),
-            None => "default quota".into(),
-        }];
+        let mut parts = match (self.quota, self.effective) {
+            (Some(q), _) => vec![q.to_string()],
+            (None, None) => vec!["default quota".to_owned()],
+            (None, Some(_)) => vec![],
+        };
+        if let Some(a) = self.adaptive {
+            parts.push(a.to_string());
+        }
+        if let Some(e) = self.effective {
+            parts.push(format!("effective {}", per_second(e)));
+        }
         if let Some(c) = self.concurrency {
             parts.push(format!("concurrency {c}"));
         }
@@ -212,6 +275,26 @@ impl Settings {
         }
         parts.join(", ")
     }
+}
+
+/// A stored number, if the field is there.
+fn parsed<T: std::str::FromStr>(
+    fields: &HashMap<String, String>,
+    name: &str,
+) -> Result<Option<T>, String> {
+    fields
+        .get(name)
+        .map(|v| {
+            v.parse()
+                .map_err(|_| format!("{name} = {v:?} is not a number"))
+        })
+        .transpose()
+}
+
+/// A rate per second as people read it: `8.16/s`.
+pub fn per_second(rate: f64) -> String {
+    let text = format!("{rate:.2}");
+    format!("{}/s", text.trim_end_matches('0').trim_end_matches('.'))
 }
 
 /// One audited change.
@@ -309,7 +392,8 @@ impl QuotaStore {
         let mut invocation = self.change.key(target.hash(&self.keys));
         invocation
             .key(self.keys.audit())
-            .key(self.keys.baseline_applied());
+            .key(self.keys.baseline_applied())
+            .key(target.adapt(&self.keys));
         if let Some((set, _)) = &index {
             invocation.key(set);
         }
@@ -350,12 +434,56 @@ impl QuotaStore {
         if fields.is_empty() {
             return Ok(None);
         }
-        Settings::from_fields(&fields)
-            .map(Some)
-            .map_err(|reason| QuotaError::BadQuota {
+        let mut settings =
+            Settings::from_fields(&fields).map_err(|reason| QuotaError::BadQuota {
                 target: target.label(),
                 reason,
-            })
+            })?;
+        if let (Some(quota), Some(adaptive)) = (settings.quota, settings.adaptive) {
+            let tuning = adaptive.tuning(quota.rate);
+            let learning = self.learning(target, &tuning).await?;
+            settings.effective = Some(learning.effective(&tuning));
+        }
+        Ok(Some(settings))
+    }
+
+    /// What an adaptive quota learned so far (nothing learned: the ceiling).
+    pub async fn learning(
+        &self,
+        target: &Target,
+        tuning: &tollgate_core::Tuning,
+    ) -> Result<Learning, QuotaError> {
+        let mut conn = self.redis.conn().await?;
+        let f: HashMap<String, String> = conn
+            .hgetall(target.adapt(&self.keys))
+            .await
+            .map_err(|e| self.redis.classify(e))?;
+        let bad = |name: &str| QuotaError::BadQuota {
+            target: target.label(),
+            reason: format!("learned {name} = {:?} is not a number", f.get(name)),
+        };
+        let float = |name: &str| -> Result<Option<f64>, QuotaError> {
+            f.get(name)
+                .map(|v| v.parse::<f64>().map_err(|_| bad(name)))
+                .transpose()
+        };
+        let micros = |name: &str| float(name).map(|v| v.map(|v| v as u64));
+        let mut learning = Learning::new(tuning);
+        learning.rate = float("rate")?.unwrap_or(tuning.ceiling);
+        learning.good = float("good")?;
+        learning.step = float("step")?.unwrap_or(0.0);
+        learning.settled_at = micros("settled")?.unwrap_or(0);
+        learning.cool_until = micros("cool")?.unwrap_or(0);
+        learning.window = match micros("win")? {
+            Some(start) => Some((start, micros("n")?.unwrap_or(0) as u32)),
+            None => None,
+        };
+        learning.changed_at = micros("changed")?.unwrap_or(0);
+        learning.audited = match float("audited")? {
+            Some(rate) => Some((rate, micros("audited_at")?.unwrap_or(0))),
+            None => None,
+        };
+        Ok(learning)
     }
 
     /// Every tenant with stored settings, sorted.

@@ -20,6 +20,10 @@
 //! concurrency = 4
 //! weight = 3          # its part of the routes it shares (default 1)
 //!
+//! [tenants.globex]
+//! rate = "20/s"        # the ceiling: the rate is learned from the provider's 429s
+//! adaptive = { min = "1/s" }   # also decrease, increase, probe_s
+//!
 //! [routes.email]
 //! rate = "100/s"
 //! ```
@@ -28,10 +32,10 @@ use std::collections::BTreeMap;
 
 use anyhow::Context;
 use serde::{Deserialize, Serialize};
-use tollgate_core::{Kind, Quota, TenantId};
+use tollgate_core::{Adaptive, Kind, Quota, TenantId};
 use tollgate_quota::{Actor, Change, QuotaStore, Settings, Target};
 
-#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct Baseline {
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -42,7 +46,7 @@ pub struct Baseline {
     pub routes: BTreeMap<String, Entry>,
 }
 
-#[derive(Clone, Debug, Deserialize, Serialize, PartialEq, Eq)]
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct Entry {
     pub rate: String,
@@ -52,6 +56,39 @@ pub struct Entry {
     pub concurrency: Option<u32>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub weight: Option<u32>,
+    /// The rate is a ceiling; the quota learns the provider's limit.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub adaptive: Option<AdaptiveEntry>,
+}
+
+/// An adaptive quota's parameters; each left out takes its default.
+#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct AdaptiveEntry {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub min: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub decrease: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub increase: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub probe_s: Option<f64>,
+}
+
+impl AdaptiveEntry {
+    /// Checked against the quota's rate, its ceiling.
+    pub fn parse(
+        &self,
+        ceiling: tollgate_core::Rate,
+    ) -> Result<Adaptive, tollgate_core::quota::QuotaError> {
+        Adaptive::parse(
+            ceiling,
+            self.min.as_deref(),
+            self.decrease,
+            self.increase,
+            self.probe_s,
+        )
+    }
 }
 
 impl Entry {
@@ -68,6 +105,15 @@ impl Entry {
         if let Some(w) = self.weight {
             f.push_str(&format!(";weight={w}"));
         }
+        if let Some(a) = &self.adaptive {
+            f.push_str(&format!(
+                ";adaptive={}/{:?}/{:?}/{:?}",
+                a.min.as_deref().unwrap_or_default(),
+                a.decrease,
+                a.increase,
+                a.probe_s
+            ));
+        }
         f
     }
 
@@ -77,6 +123,12 @@ impl Entry {
             burst: q.burst,
             concurrency: s.concurrency,
             weight: s.weight,
+            adaptive: s.adaptive.map(|a| AdaptiveEntry {
+                min: Some(a.min.to_string()),
+                decrease: Some(a.decrease),
+                increase: Some(a.increase),
+                probe_s: Some(a.probe.as_secs_f64()),
+            }),
         })
     }
 }
@@ -104,10 +156,18 @@ impl Baseline {
     /// Every entry as a validated (target, change, fingerprint).
     pub fn changes(&self) -> anyhow::Result<Vec<(Target, Change, String)>> {
         let change = |e: &Entry| -> anyhow::Result<Change> {
+            let quota = Quota::parse(&e.rate, e.burst).context("rate")?;
+            let adaptive = e
+                .adaptive
+                .as_ref()
+                .map(|a| a.parse(quota.rate))
+                .transpose()
+                .context("adaptive")?;
             Ok(Change::SetQuota {
-                quota: Quota::parse(&e.rate, e.burst).context("rate")?,
+                quota,
                 concurrency: e.concurrency,
                 weight: e.weight.map(tollgate_core::weight).transpose()?,
+                adaptive,
             })
         };
         let mut out = Vec::new();
@@ -115,6 +175,11 @@ impl Baseline {
             anyhow::ensure!(
                 d.concurrency.is_none() && d.weight.is_none(),
                 "[default]: concurrency and weight apply to tenants"
+            );
+            anyhow::ensure!(
+                d.adaptive.is_none(),
+                "[default]: {}",
+                tollgate_core::adaptive::NOT_FOR_DEFAULT
             );
             out.push((Target::Default, change(d)?, d.fingerprint()));
         }

@@ -7,9 +7,10 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use prometheus::{
-    Encoder, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
-    Registry, TextEncoder,
+    Encoder, GaugeVec, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
+    IntGaugeVec, Opts, Registry, TextEncoder,
 };
+use tollgate_core::ports::Learned;
 use tollgate_core::{
     Completion, DeadReason, DelayTiers, ParkReason, PermitDecision, ProviderOutcome, Shadow,
 };
@@ -85,6 +86,8 @@ struct Inner {
     parked: IntCounterVec,
     dead_letters: IntCounterVec,
     tier_publishes: IntCounterVec,
+    effective_rate: GaugeVec,
+    route_effective_rate: GaugeVec,
     in_flight: IntGauge,
     consuming: IntGauge,
 }
@@ -109,6 +112,14 @@ fn histogram(
         .register(Box::new(h.clone()))
         .expect("registered once");
     h
+}
+
+fn gauge(registry: &Registry, name: &str, help: &str, labels: &[&str]) -> GaugeVec {
+    let g = GaugeVec::new(Opts::new(name, help), labels).expect("valid gauge");
+    registry
+        .register(Box::new(g.clone()))
+        .expect("registered once");
+    g
 }
 
 fn counter(registry: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
@@ -239,6 +250,18 @@ impl Metrics {
                 "Copies published to a delay tier, by tier; a long wait takes several hops through the tiers.",
                 &["tier"],
             ),
+            effective_rate: gauge(
+                r,
+                "tollgate_quota_effective_rate",
+                "The rate (per second) a tenant's adaptive quota enforces now, as learned from the provider's 429s; the configured rate is its ceiling. Set at each of the tenant's completions on this pod.",
+                &["tenant"],
+            ),
+            route_effective_rate: gauge(
+                r,
+                "tollgate_route_effective_rate",
+                "The rate (per second) a route's adaptive quota (one provider account) enforces now.",
+                &["route"],
+            ),
             in_flight,
             consuming,
             registry,
@@ -288,6 +311,19 @@ impl Metrics {
                 .shadow_decisions
                 .with_label_values(&[tenant, verdict])
                 .inc();
+        }
+    }
+
+    /// What an adaptive quota learned from a completion.
+    pub fn learned(&self, tenant: &str, route: &str, learned: Learned) {
+        if let Some(rate) = learned.tenant {
+            self.0.effective_rate.with_label_values(&[tenant]).set(rate);
+        }
+        if let Some(rate) = learned.route {
+            self.0
+                .route_effective_rate
+                .with_label_values(&[route])
+                .set(rate);
         }
     }
 

@@ -25,7 +25,7 @@ use tollgate_amqp::lapin::message::Delivery;
 use tollgate_amqp::{Broker, ConsumerControl, Topology};
 use tollgate_core::job::{Limits, decode};
 use tollgate_core::outcome::classify;
-use tollgate_core::ports::{Penalty, PermitRequest, PermitStore, Provider, ProviderCall};
+use tollgate_core::ports::{Learned, Penalty, PermitRequest, PermitStore, Provider, ProviderCall};
 use tollgate_core::{
     Action, Clock, Completion, DeadReason, Job, JobRun, Malformed, ParkReason, PermitDecision,
     Policy, Progress, ProviderOutcome, UnixMillis,
@@ -912,8 +912,13 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
         let mut failures = 0u32;
         loop {
             let error = match self.permits.complete(request, sent, penalty).await {
-                Ok(()) => {
+                Ok(learned) => {
                     self.redis_health.up();
+                    if learned != Learned::default() {
+                        let tenant = self.metrics.tenant(request.tenant.as_str());
+                        self.metrics
+                            .learned(&tenant, request.route.as_str(), learned);
+                    }
                     return;
                 }
                 Err(e) => e,

@@ -17,8 +17,10 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post, put};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
+use tollgate_core::Adaptive;
 use tollgate_core::{IdempotencyKey, JobId, Kind, Quota, TenantId, UnixMillis};
 use tollgate_quota::{Actor, Cancel, Change, QuotaStore, Settings, Target};
+use tollgate_runtime::baseline::AdaptiveEntry;
 
 use tollgate_core::Secret;
 
@@ -189,6 +191,13 @@ impl From<Quota> for QuotaJson {
 fn settings_json(s: &Settings) -> serde_json::Value {
     json!({
         "quota": s.quota.map(QuotaJson::from),
+        "adaptive": s.adaptive.map(|a| json!({
+            "min": a.min.to_string(),
+            "decrease": a.decrease,
+            "increase": a.increase,
+            "probe_s": a.probe.as_secs_f64(),
+        })),
+        "effective_rate_per_s": s.effective,
         "concurrency": s.concurrency,
         "weight": s.weight.unwrap_or(1),
         "paused": s.paused,
@@ -218,6 +227,10 @@ struct QuotaBody {
     concurrency: Option<u32>,
     #[serde(default)]
     weight: Option<u32>,
+    /// Present (`{}` for the defaults) when the rate is a ceiling and the
+    /// quota learns the provider's limit.
+    #[serde(default)]
+    adaptive: Option<AdaptiveEntry>,
 }
 
 impl QuotaBody {
@@ -230,6 +243,14 @@ impl QuotaBody {
             return Err(bad_request("weight applies to tenants"));
         }
         Quota::parse(&self.rate, self.burst).map_err(bad_request)
+    }
+
+    fn adaptive(&self, quota: Quota) -> Result<Option<Adaptive>, ApiError> {
+        self.adaptive
+            .as_ref()
+            .map(|a| a.parse(quota.rate))
+            .transpose()
+            .map_err(bad_request)
     }
 }
 
@@ -311,10 +332,14 @@ async fn put_default(
     headers: HeaderMap,
     Json(body): Json<QuotaBody>,
 ) -> ApiResult {
+    if body.adaptive.is_some() {
+        return Err(bad_request(tollgate_core::adaptive::NOT_FOR_DEFAULT));
+    }
     let change = Change::SetQuota {
         quota: body.shared()?,
         concurrency: None,
         weight: None,
+        adaptive: None,
     };
     apply(&state, &Target::Default, change, &headers).await
 }
@@ -339,6 +364,7 @@ async fn put_tenant(
         quota,
         concurrency: body.concurrency,
         weight,
+        adaptive: body.adaptive(quota)?,
     };
     apply(&state, &tenant(&name)?, change, &headers).await
 }
@@ -426,10 +452,12 @@ async fn put_route(
     headers: HeaderMap,
     Json(body): Json<QuotaBody>,
 ) -> ApiResult {
+    let quota = body.shared()?;
     let change = Change::SetQuota {
-        quota: body.shared()?,
+        quota,
         concurrency: None,
         weight: None,
+        adaptive: body.adaptive(quota)?,
     };
     apply(&state, &route(&name)?, change, &headers).await
 }

@@ -12,7 +12,8 @@ use futures::stream::FuturesUnordered;
 use serde_json::value::RawValue;
 use tollgate_amqp::{Broker, headers};
 use tollgate_core::{
-    Clock, DeadReason, IdempotencyKey, Job, JobId, Kind, Priority, Quota, TenantId, UnixMillis,
+    Adaptive, Clock, DeadReason, IdempotencyKey, Job, JobId, Kind, Priority, Quota, TenantId,
+    UnixMillis,
 };
 use tollgate_quota::{Actor, Cancel, Change, Keys, QuotaStore, Redis, Settings, Target};
 
@@ -125,7 +126,8 @@ pub enum QuotaCommand {
         after_help = "Examples:\n  tollgate quota set acme --rate 20/s --burst 1 --concurrency 4\n  \
         tollgate quota set acme --rate 5/s --shadow      # computed and counted, not enforced\n  \
         tollgate quota set --route email --rate 100/s    # one provider account shared by all tenants\n  \
-        tollgate quota set acme --weight 3               # 3 parts of a shared route's capacity to others' 1\n\n\
+        tollgate quota set acme --weight 3               # 3 parts of a shared route's capacity to others' 1\n  \
+        tollgate quota set acme --rate 20/s --adaptive --min 1/s   # 20/s is the ceiling; the rate is learned from 429s\n\n\
         With --rate, set replaces the tenant's enforced settings: a concurrency\n\
         or weight not given is cleared. --weight alone changes only the weight."
     )]
@@ -148,6 +150,24 @@ pub enum QuotaCommand {
         /// logged and counted (tollgate_shadow_decisions_total), never enforced.
         #[arg(long)]
         shadow: bool,
+        /// Learn the provider's real limit from its 429s: --rate is the
+        /// ceiling, the effective rate moves between --min and it.
+        #[arg(long)]
+        adaptive: bool,
+        /// With --adaptive: the lowest effective rate (default 5 % of --rate).
+        #[arg(long, requires = "adaptive")]
+        min: Option<String>,
+        /// With --adaptive: the factor a 429 cuts the rate by (default 0.7).
+        #[arg(long, requires = "adaptive")]
+        decrease: Option<f64>,
+        /// With --adaptive: the first step of a probe up, as a fraction of the
+        /// rate; it doubles while probes hold (default 0.05).
+        #[arg(long, requires = "adaptive")]
+        increase: Option<f64>,
+        /// With --adaptive: seconds a rate that a failed probe fell back to is
+        /// kept before probing above it again (default 15).
+        #[arg(long, requires = "adaptive")]
+        probe: Option<f64>,
     },
     /// Show a quota (or the default it falls back to).
     #[command(
@@ -522,6 +542,7 @@ pub async fn set_tenant_quota(
         quota,
         concurrency: None,
         weight: None,
+        adaptive: None,
     };
     let actor = Actor {
         who: who.to_owned(),
@@ -599,8 +620,18 @@ pub async fn quota(config: &Config, command: &QuotaCommand, actor: &Actor) -> an
             concurrency,
             weight,
             shadow,
+            adaptive,
+            min,
+            decrease,
+            increase,
+            probe,
         } => {
             let target = target.target()?;
+            if *adaptive && (*shadow || rate.is_none()) {
+                bail!(
+                    "--adaptive needs --rate (the ceiling) and applies to the enforced quota, not to --shadow"
+                )
+            }
             if weight.is_some() && !matches!(target, Target::Tenant(_)) {
                 bail!(
                     "--weight applies to tenants: a route's capacity divides among them by weight"
@@ -626,6 +657,18 @@ pub async fn quota(config: &Config, command: &QuotaCommand, actor: &Actor) -> an
                             quota,
                             concurrency: *concurrency,
                             weight: *weight,
+                            adaptive: adaptive
+                                .then(|| {
+                                    Adaptive::parse(
+                                        quota.rate,
+                                        min.as_deref(),
+                                        *decrease,
+                                        *increase,
+                                        *probe,
+                                    )
+                                })
+                                .transpose()
+                                .context("--adaptive")?,
                         },
                     }
                 }
@@ -677,6 +720,7 @@ pub async fn quota(config: &Config, command: &QuotaCommand, actor: &Actor) -> an
                     quota: parse_quota(rate, *burst)?,
                     concurrency: None,
                     weight: None,
+                    adaptive: None,
                 };
                 let (old, new) = store.apply(&Target::Default, change, actor).await?;
                 print_change(&Target::Default, &old, &new);

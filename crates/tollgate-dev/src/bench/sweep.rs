@@ -404,6 +404,7 @@ async fn weighted_share(base: &Config, setting: Setting) -> anyhow::Result<Vec<F
         quota: tollgate_core::Quota::parse("30/s", 1)?,
         concurrency: None,
         weight: None,
+        adaptive: None,
     };
     let target = tollgate_quota::Target::Route(tollgate_core::Kind::default_kind());
     rig.store.apply(&target, route, &actor).await?;

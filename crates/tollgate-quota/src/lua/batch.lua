@@ -3,10 +3,10 @@
 -- each atomic, in the order they were asked for.
 --
 -- ARGV[1] names each group's kind, one letter per group in order:
---   'p'  a permit decision: 19 keys, 18 arguments
---   'c'  a completion: 5 keys, 7 arguments
+--   'p'  a permit decision: 21 keys, 18 arguments
+--   'c'  a completion: 10 keys, 10 arguments
 -- The groups' keys and arguments follow, one group after another.
--- Reply: one per group, in order (a completion's is {1}).
+-- Reply: one per group, in order.
 -- (On a Redis Cluster a batch must hold only keys of one slot.)
 
 local kinds = ARGV[1]
@@ -14,12 +14,11 @@ local replies = {}
 local k, a = 0, 1
 for i = 1, #kinds do
   if string.sub(kinds, i, i) == 'p' then
-    replies[i] = permit({unpack(KEYS, k + 1, k + 19)}, {unpack(ARGV, a + 1, a + 18)})
-    k, a = k + 19, a + 18
+    replies[i] = permit({unpack(KEYS, k + 1, k + 21)}, {unpack(ARGV, a + 1, a + 18)})
+    k, a = k + 21, a + 18
   else
-    complete({unpack(KEYS, k + 1, k + 5)}, {unpack(ARGV, a + 1, a + 7)})
-    replies[i] = {1}
-    k, a = k + 5, a + 7
+    replies[i] = complete({unpack(KEYS, k + 1, k + 10)}, {unpack(ARGV, a + 1, a + 10)})
+    k, a = k + 10, a + 10
   end
 end
 return replies

@@ -8,7 +8,9 @@
 --
 -- KEYS[1] settings hash, KEYS[2] audit stream,
 -- KEYS[3] hash: target -> fingerprint of the baseline entry last applied,
--- KEYS[4] the set listing the target's kind (tenants, routes); absent for
+-- KEYS[4] what the target's adaptive quota learned: forgotten when the
+--         quota no longer adapts
+-- KEYS[5] the set listing the target's kind (tenants, routes); absent for
 --         the default quota, which is listed nowhere
 -- ARGV[1] target ("tenant:acme", "route:email", "default")
 -- ARGV[2] action, ARGV[3] who, ARGV[4] source ("cli", "api" or "baseline")
@@ -51,12 +53,13 @@ end
 local new, n = settings()
 
 local at = string.format('%d', math.floor(now_us(nil) / 1000))
+if new.adaptive ~= '1' then redis.call('DEL', KEYS[4]) end
 if n == 0 then
   redis.call('DEL', KEYS[1])
-  if KEYS[4] then redis.call('SREM', KEYS[4], ARGV[5]) end
+  if KEYS[5] then redis.call('SREM', KEYS[5], ARGV[5]) end
 else
   redis.call('HSET', KEYS[1], 'updated_by', ARGV[3], 'updated_at_ms', at)
-  if KEYS[4] then redis.call('SADD', KEYS[4], ARGV[5]) end
+  if KEYS[5] then redis.call('SADD', KEYS[5], ARGV[5]) end
 end
 
 local old_json, new_json = cjson.encode(old), cjson.encode(new)

@@ -2,13 +2,22 @@
 -- release the in-flight lease and the concurrency slot if that attempt
 -- still holds them, and on a 429 push the tenant's bucket (or, when the
 -- route's 429s are account-wide, the route's) past Retry-After so every pod
--- backs off, not only the one that saw it. Called from `batch.lua`.
+-- backs off, not only the one that saw it. An adaptive quota (the
+-- tenant's, the route's) learns from the outcome (`adapt.lua`): a 429
+-- lowers the quota it is blamed on (the route's when its 429s are
+-- account-wide or the tenant's does not adapt), a send counts for both.
+-- Called from `batch.lua`.
 --
--- Keys (5): sent record, lease, tenant in-flight zset, tenant penalty,
--- route penalty.
--- Arguments (7): lease token, '1' if sent, record ttl ms, job id,
--- penalty microseconds ('0' = none), "now" override in microseconds (tests
--- only; "" = Redis TIME), whom the penalty pauses ("tenant" or "route").
+-- Keys (10): sent record, lease, tenant in-flight zset, tenant penalty,
+-- route penalty, tenant quota, tenant adapt, route quota, route adapt,
+-- audit stream.
+-- Arguments (10): lease token, '1' if sent, record ttl ms, job id,
+-- penalty microseconds ('0' = none, else a 429), "now" override in
+-- microseconds (tests only; "" = Redis TIME), whom the penalty pauses
+-- ("tenant" or "route"), the tenant's and the route's audit labels, the
+-- audit stream's max length.
+-- Reply: {1, tenant's effective rate, route's effective rate}, in
+-- thousandths per second, -1 where the quota does not adapt.
 
 local function complete(k, a)
   if a[2] == '1' then
@@ -19,9 +28,10 @@ local function complete(k, a)
   end
   redis.call('ZREM', k[3], a[1])
 
+  local now = now_us(a[6])
   local penalty = tonumber(a[5])
   if penalty > 0 then
-    local until_us = now_us(a[6]) + penalty
+    local until_us = now + penalty
     local ttl = math.ceil(penalty / 1000) + 1000
     local key = k[4]
     if a[7] == 'route' then key = k[5] end
@@ -30,4 +40,18 @@ local function complete(k, a)
       redis.call('SET', key, string.format('%.0f', until_us), 'PX', ttl)
     end
   end
+
+  local tenant_rate, route_rate = -1, -1
+  if penalty > 0 then
+    if a[7] ~= 'route' then
+      tenant_rate = adapt_learn(k[6], k[7], 'throttled', now, k[10], a[8], a[10])
+    end
+    if tenant_rate < 0 then
+      route_rate = adapt_learn(k[8], k[9], 'throttled', now, k[10], a[9], a[10])
+    end
+  elseif a[2] == '1' then
+    tenant_rate = adapt_learn(k[6], k[7], 'sent', now, k[10], a[8], a[10])
+    route_rate = adapt_learn(k[8], k[9], 'sent', now, k[10], a[9], a[10])
+  end
+  return {1, tenant_rate, route_rate}
 end

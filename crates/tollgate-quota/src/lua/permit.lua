@@ -30,6 +30,8 @@
 -- KEYS[18] route_active_key           zset: tenant with work on the route -> until when (microseconds)
 -- KEYS[19] route_weights_key          hash: 'w:<tenant>' -> weight counted, 'total' -> their sum, 'changed' -> when it last changed,
 --                                     'v' -> the route's virtual time then
+-- KEYS[20] tenant_adapt_key           what the tenant's adaptive quota learned (`adapt.lua`)
+-- KEYS[21] route_adapt_key            what the route's adaptive quota learned
 --
 -- ARGV[1]  default_count              default quota from config: count
 -- ARGV[2]  default_period_ms          default quota from config: period, milliseconds
@@ -86,6 +88,8 @@ local function permit(KEYS, ARGV)
   local tenant_waiting_low_key = KEYS[17]
   local route_active_key = KEYS[18]
   local route_weights_key = KEYS[19]
+  local tenant_adapt_key = KEYS[20]
+  local route_adapt_key = KEYS[21]
   local default_count = ARGV[1]
   local default_period_ms = ARGV[2]
   local default_burst = ARGV[3]
@@ -146,13 +150,14 @@ local function permit(KEYS, ARGV)
     return {math.ceil(period_ms * 1000 / count * pacing), burst, changed and changed * 1000 or now}
   end
 
-  local tenant = bucket(q[1], q[2], q[3], q[9])
+  -- An adaptive quota is spaced at the rate learned (its own is the ceiling).
+  local tenant = adapt_bucket(bucket(q[1], q[2], q[3], q[9]), tenant_quota_key, tenant_adapt_key, pacing)
   if not tenant then
     local d = redis.call('HMGET', default_quota_key, 'count', 'period_ms', 'burst', 'updated_at_ms')
     tenant = bucket(d[1], d[2], d[3], d[4]) or bucket(default_count, default_period_ms, default_burst, nil)
   end
   local r = redis.call('HMGET', route_quota_key, 'count', 'period_ms', 'burst', 'updated_at_ms')
-  local route = bucket(r[1], r[2], r[3], r[4])
+  local route = adapt_bucket(bucket(r[1], r[2], r[3], r[4]), route_quota_key, route_adapt_key, pacing)
 
   -- A place in line given at spacing `old`, re-spaced to the bucket's current
   -- spacing around the moment the quota changed.

@@ -1,0 +1,534 @@
+//! Adaptive quotas: a provider's real limit, learned from its 429s.
+//!
+//! The configured rate is a ceiling; the *effective* rate moves within
+//! [min, ceiling]. Every pod learns as one: the state lives in Redis and is
+//! updated by the completion script, in the call that already records each
+//! send, so learning adds no round trip. This module is the algorithm's
+//! specification, pure and tested as a state machine with injected time;
+//! `adapt.lua` in `tollgate-quota` runs the same steps inside Redis, and a
+//! test drives both with the same events and checks they agree to the bit.
+//!
+//! The steps:
+//! - a 429 while the rate is above the last rate that held (a probe up
+//!   failed): back to that rate, and stay there for `probe` before trying
+//!   higher again;
+//! - any other 429 (the limit fell below what held, or nothing has held
+//!   yet): multiplicative decrease, rate × `decrease`, and climb back from
+//!   there;
+//! - the 429s that answer sends made before a change are one burst: after
+//!   a change, 429s are ignored for one window;
+//! - a window (2 s) that passes without a 429, with the tenant sending at
+//!   least 80 % of the effective rate, marks that rate as holding. Climbing,
+//!   the rate then grows by `increase` of itself, and the step doubles with
+//!   every window that holds (5 %, 10 %, 20 % …), so a raised limit is found
+//!   in a few windows and a failed probe overshoots by one step only. A
+//!   rate the tenant does not use is never raised.
+
+use std::fmt;
+use std::time::Duration;
+
+use crate::quota::{QuotaError, Rate};
+
+/// Microseconds a rate must hold, exercised and without a 429, before it
+/// counts as holding (and the next step up may follow).
+pub const WINDOW_MICROS: u64 = 2_000_000;
+
+/// A window counts only when the tenant sent at least this fraction of the
+/// effective rate in it: a limit that is not exercised is never raised.
+pub const EXERCISED: f64 = 0.8;
+
+/// An adjustment reaches the audit stream when the rate moved at least this
+/// fraction since the last entry...
+pub const AUDIT_CHANGE: f64 = 0.1;
+
+/// ...and at most once per this many microseconds per tenant or route, so a
+/// storm of 429s does not flood the stream.
+pub const AUDIT_EVERY_MICROS: u64 = 10_000_000;
+
+/// Why the default quota cannot adapt.
+pub const NOT_FOR_DEFAULT: &str = "adaptive applies to a tenant's or a route's quota: the default \
+    is shared by tenants whose providers' limits differ, and each would learn alone";
+
+/// How a quota adapts: its configured rate is the ceiling.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Adaptive {
+    /// The effective rate never falls below this.
+    pub min: Rate,
+    /// Multiplicative decrease on a 429 (the new rate is this × the old).
+    pub decrease: f64,
+    /// The first step of a probe up, as a fraction of the rate; it doubles
+    /// with each window that holds.
+    pub increase: f64,
+    /// How long a rate that a failed probe fell back to is kept before
+    /// probing above it again.
+    pub probe: Duration,
+}
+
+impl Adaptive {
+    pub const DEFAULT_DECREASE: f64 = 0.7;
+    pub const DEFAULT_INCREASE: f64 = 0.05;
+    pub const DEFAULT_PROBE: Duration = Duration::from_secs(15);
+    /// The minimum when none is given: this fraction of the ceiling.
+    pub const DEFAULT_MIN_FRACTION: f64 = 0.05;
+
+    /// Checks the parameters against the ceiling; `None` takes the default.
+    pub fn new(
+        ceiling: Rate,
+        min: Option<Rate>,
+        decrease: Option<f64>,
+        increase: Option<f64>,
+        probe: Option<Duration>,
+    ) -> Result<Self, QuotaError> {
+        let min = min.unwrap_or_else(|| default_min(ceiling));
+        if min.per_second() > ceiling.per_second() {
+            return Err(QuotaError::Adaptive(format!(
+                "--min {min} is above the rate {ceiling}"
+            )));
+        }
+        let decrease = decrease.unwrap_or(Self::DEFAULT_DECREASE);
+        if !(0.1..=0.95).contains(&decrease) {
+            return Err(QuotaError::Adaptive(format!(
+                "--decrease {decrease} is not between 0.1 and 0.95"
+            )));
+        }
+        let increase = increase.unwrap_or(Self::DEFAULT_INCREASE);
+        if !(0.01..=1.0).contains(&increase) {
+            return Err(QuotaError::Adaptive(format!(
+                "--increase {increase} is not between 0.01 and 1"
+            )));
+        }
+        let probe = probe.unwrap_or(Self::DEFAULT_PROBE);
+        if !(Duration::from_secs(1)..=Duration::from_secs(3600)).contains(&probe) {
+            return Err(QuotaError::Adaptive(format!(
+                "--probe {} s is not between 1 s and 1 h",
+                probe.as_secs_f64()
+            )));
+        }
+        Ok(Self {
+            min,
+            decrease,
+            increase,
+            probe,
+        })
+    }
+
+    /// As people write it (`--min 1/s --decrease 0.7 --increase 0.05
+    /// --probe 15`): what the CLI, the admin API and the quota baseline all
+    /// accept. `None` takes the default.
+    pub fn parse(
+        ceiling: Rate,
+        min: Option<&str>,
+        decrease: Option<f64>,
+        increase: Option<f64>,
+        probe_secs: Option<f64>,
+    ) -> Result<Self, QuotaError> {
+        let min = min.map(str::parse).transpose()?;
+        let probe = match probe_secs {
+            Some(s) if s.is_finite() && s >= 0.0 => Some(Duration::from_secs_f64(s)),
+            Some(s) => {
+                return Err(QuotaError::Adaptive(format!(
+                    "--probe {s} is not a duration in seconds"
+                )));
+            }
+            None => None,
+        };
+        Self::new(ceiling, min, decrease, increase, probe)
+    }
+
+    /// The bounds and steps, in the units the algorithm works in.
+    pub fn tuning(&self, ceiling: Rate) -> Tuning {
+        Tuning {
+            ceiling: ceiling.per_second(),
+            min: self.min.per_second(),
+            decrease: self.decrease,
+            increase: self.increase,
+            probe_micros: self.probe.as_micros() as u64,
+        }
+    }
+}
+
+/// [`Adaptive::DEFAULT_MIN_FRACTION`] of the ceiling, in the largest unit
+/// that keeps it a whole count (at least 1/h).
+pub fn default_min(ceiling: Rate) -> Rate {
+    let per_hour = (ceiling.per_second() * 3600.0 * Adaptive::DEFAULT_MIN_FRACTION)
+        .ceil()
+        .max(1.0) as u32;
+    let (count, secs) = if per_hour.is_multiple_of(3600) {
+        (per_hour / 3600, 1)
+    } else if per_hour.is_multiple_of(60) {
+        (per_hour / 60, 60)
+    } else {
+        (per_hour, 3600)
+    };
+    Rate {
+        count,
+        period: Duration::from_secs(secs),
+    }
+}
+
+impl fmt::Display for Adaptive {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "adaptive (min {}, decrease {}, increase {}, probe {} s)",
+            self.min,
+            self.decrease,
+            self.increase,
+            self.probe.as_secs_f64()
+        )
+    }
+}
+
+/// [`Adaptive`] in the algorithm's units: rates per second, time in µs.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Tuning {
+    pub ceiling: f64,
+    pub min: f64,
+    pub decrease: f64,
+    pub increase: f64,
+    pub probe_micros: u64,
+}
+
+impl Tuning {
+    fn clamp(&self, rate: f64) -> f64 {
+        rate.min(self.ceiling).max(self.min)
+    }
+}
+
+/// The fleet's learning for one tenant or route. Times are microseconds of
+/// the store's clock.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Learning {
+    /// The effective rate, per second.
+    pub rate: f64,
+    /// The last rate that held a whole window, exercised, without a 429.
+    pub good: Option<f64>,
+    /// The step of the probe under way, as a fraction of the rate (0 = none).
+    pub step: f64,
+    /// When a failed probe last fell back: the next waits `probe` from here.
+    pub settled_at: u64,
+    /// 429s before this answer sends made before the last change.
+    pub cool_until: u64,
+    /// The window under way: when it began and the sends since.
+    pub window: Option<(u64, u32)>,
+    /// When the rate last changed (places in line are re-spaced around it).
+    pub changed_at: u64,
+    /// The rate the audit stream last showed, and when.
+    pub audited: Option<(f64, u64)>,
+}
+
+impl Learning {
+    /// Nothing learned yet: the configured rate, until the provider says
+    /// otherwise.
+    pub fn new(limits: &Tuning) -> Self {
+        Self {
+            rate: limits.ceiling,
+            good: None,
+            step: 0.0,
+            settled_at: 0,
+            cool_until: 0,
+            window: None,
+            changed_at: 0,
+            audited: None,
+        }
+    }
+
+    /// The rate the quota enforces now (the ceiling and minimum may have
+    /// changed since it was learned).
+    pub fn effective(&self, limits: &Tuning) -> f64 {
+        limits.clamp(self.rate)
+    }
+
+    /// A 429. Returns whether the rate changed.
+    pub fn throttled(&mut self, limits: &Tuning, now: u64) -> bool {
+        if now < self.cool_until {
+            return false;
+        }
+        let rate = self.effective(limits);
+        let new = match self.good {
+            Some(good) if good < rate => {
+                self.settled_at = now;
+                self.step = 0.0;
+                good
+            }
+            _ => {
+                self.good = None;
+                self.step = limits.increase;
+                rate * limits.decrease
+            }
+        };
+        self.cool_until = now + WINDOW_MICROS;
+        self.window = Some((now, 0));
+        self.set(limits.clamp(new), rate, now)
+    }
+
+    /// A send the provider accepted. Returns whether the rate changed.
+    pub fn sent(&mut self, limits: &Tuning, now: u64) -> bool {
+        let Some((start, sent)) = self.window else {
+            self.window = Some((now, 0));
+            return false;
+        };
+        let sent = sent + 1;
+        let elapsed = now.saturating_sub(start);
+        if elapsed < WINDOW_MICROS {
+            self.window = Some((start, sent));
+            return false;
+        }
+        self.window = Some((now, 0));
+        let rate = self.effective(limits);
+        let used = f64::from(sent) * 1e6 / elapsed as f64;
+        if now < self.cool_until || used < EXERCISED * rate {
+            return false;
+        }
+        self.good = Some(rate);
+        if self.step == 0.0 {
+            if now < self.settled_at + limits.probe_micros {
+                return false;
+            }
+            self.step = limits.increase;
+        }
+        let new = limits.clamp(rate * (1.0 + self.step));
+        self.step = (self.step * 2.0).min(1.0);
+        self.set(new, rate, now)
+    }
+
+    fn set(&mut self, new: f64, old: f64, now: u64) -> bool {
+        self.rate = new;
+        if new == old {
+            return false;
+        }
+        self.changed_at = now;
+        true
+    }
+
+    /// Whether the current rate should reach the audit stream now: it moved
+    /// [`AUDIT_CHANGE`] since the last entry, which is
+    /// [`AUDIT_EVERY_MICROS`] old. Marks it audited when so.
+    pub fn audit(&mut self, limits: &Tuning, now: u64) -> Option<(f64, f64)> {
+        let rate = self.effective(limits);
+        let (last, at) = self.audited.unwrap_or((limits.ceiling, 0));
+        if (rate - last).abs() < AUDIT_CHANGE * last || now < at + AUDIT_EVERY_MICROS {
+            return None;
+        }
+        self.audited = Some((rate, now));
+        Some((last, rate))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn rate(s: &str) -> Rate {
+        s.parse().unwrap()
+    }
+
+    fn limits(ceiling: f64, min: f64) -> Tuning {
+        Tuning {
+            ceiling,
+            min,
+            decrease: Adaptive::DEFAULT_DECREASE,
+            increase: Adaptive::DEFAULT_INCREASE,
+            probe_micros: Adaptive::DEFAULT_PROBE.as_micros() as u64,
+        }
+    }
+
+    #[test]
+    fn parameters_are_checked_against_the_ceiling() {
+        let ceiling = rate("20/s");
+        let a = Adaptive::new(ceiling, None, None, None, None).unwrap();
+        assert_eq!(a.min, rate("1/s"));
+        assert_eq!(default_min(rate("10/m")).to_string(), "30/h");
+        assert_eq!(default_min(rate("1/h")).to_string(), "1/h");
+        assert!(Adaptive::new(ceiling, Some(rate("30/s")), None, None, None).is_err());
+        assert!(Adaptive::new(ceiling, None, Some(1.0), None, None).is_err());
+        assert!(Adaptive::new(ceiling, None, None, Some(0.0), None).is_err());
+        assert!(Adaptive::new(ceiling, None, None, None, Some(Duration::ZERO)).is_err());
+    }
+
+    #[test]
+    fn a_429_lowers_the_rate_and_the_rest_of_its_burst_does_not() {
+        let l = limits(20.0, 1.0);
+        let mut s = Learning::new(&l);
+        assert!(s.throttled(&l, 1_000_000));
+        assert_eq!(s.rate, 14.0);
+        assert!(!s.throttled(&l, 1_500_000), "same burst");
+        assert!(s.throttled(&l, 3_100_000));
+        assert!((s.rate - 9.8).abs() < 1e-9);
+    }
+
+    #[test]
+    fn a_failed_probe_falls_back_to_the_rate_that_held_and_waits() {
+        let l = limits(20.0, 1.0);
+        let mut s = Learning::new(&l);
+        s.throttled(&l, 0);
+        let mut now = 0;
+        // 14/s holds for a window (sends at 14/s): the climb begins.
+        while s.rate == 14.0 {
+            now += 1_000_000 / 14;
+            s.sent(&l, now);
+        }
+        assert_eq!(s.good, Some(14.0));
+        assert!(s.rate > 14.0);
+        now += 100_000;
+        assert!(s.throttled(&l, now));
+        assert_eq!(s.rate, 14.0, "back to the rate that held");
+        let settled = now;
+        // Windows at 14/s hold, but the rate stays until `probe` has passed.
+        while now < settled + l.probe_micros - WINDOW_MICROS {
+            now += 1_000_000 / 14;
+            s.sent(&l, now);
+            assert_eq!(s.rate, 14.0);
+        }
+        for _ in 0..100 {
+            now += 1_000_000 / 14;
+            s.sent(&l, now);
+        }
+        assert!(s.rate > 14.0, "probes again after {} µs", l.probe_micros);
+    }
+
+    #[test]
+    fn an_unused_rate_is_never_raised() {
+        let l = limits(20.0, 1.0);
+        let mut s = Learning::new(&l);
+        s.throttled(&l, 0);
+        let mut now = 0;
+        for _ in 0..200 {
+            now += 1_000_000 / 5; // 5/s on a rate of 14/s
+            assert!(!s.sent(&l, now));
+        }
+        assert_eq!(s.rate, 14.0);
+    }
+
+    #[test]
+    fn audit_entries_are_rate_limited() {
+        let l = limits(20.0, 1.0);
+        let mut s = Learning::new(&l);
+        s.throttled(&l, 0);
+        assert_eq!(s.audit(&l, 0), None, "the first entry waits its 10 s");
+        assert_eq!(s.audit(&l, AUDIT_EVERY_MICROS), Some((20.0, 14.0)));
+        s.throttled(&l, AUDIT_EVERY_MICROS + 1);
+        assert_eq!(s.audit(&l, AUDIT_EVERY_MICROS + 2), None);
+        assert!(s.audit(&l, 2 * AUDIT_EVERY_MICROS).is_some());
+    }
+
+    /// A provider that accepts at most `limit` sends in any sliding second.
+    struct Provider {
+        limit: usize,
+        accepted: std::collections::VecDeque<u64>,
+    }
+
+    impl Provider {
+        fn call(&mut self, now: u64) -> bool {
+            while self.accepted.front().is_some_and(|&t| now - t >= 1_000_000) {
+                self.accepted.pop_front();
+            }
+            if self.accepted.len() >= self.limit {
+                return false;
+            }
+            self.accepted.push_back(now);
+            true
+        }
+    }
+
+    /// Sends paced at the effective rate (2 % wider, as the permit script
+    /// does), each learned from; a 429 pauses 1 s (its Retry-After).
+    /// Returns (sends, 429s) per second of simulated time.
+    fn simulate(
+        l: &Tuning,
+        s: &mut Learning,
+        p: &mut Provider,
+        from: u64,
+        secs: u64,
+    ) -> Vec<(u32, u32)> {
+        let mut per_second = vec![(0, 0); secs as usize];
+        let mut now = from;
+        while now < from + secs * 1_000_000 {
+            let i = ((now - from) / 1_000_000) as usize;
+            if p.call(now) {
+                per_second[i].0 += 1;
+                s.sent(l, now);
+                now += (1e6 / s.effective(l) * 1.02).ceil() as u64;
+            } else {
+                per_second[i].1 += 1;
+                s.throttled(l, now);
+                now += 1_000_000;
+            }
+        }
+        per_second
+    }
+
+    #[test]
+    fn converges_on_a_fixed_limit_and_follows_it_up_and_down() {
+        let l = limits(20.0, 1.0);
+        let mut s = Learning::new(&l);
+        let mut p = Provider {
+            limit: 8,
+            accepted: Default::default(),
+        };
+        let warmup = simulate(&l, &mut s, &mut p, 0, 30);
+        let steady = simulate(&l, &mut s, &mut p, 30_000_000, 120);
+        let sends: u32 = steady.iter().map(|s| s.0).sum();
+        let throttled: u32 = steady.iter().map(|s| s.1).sum();
+        assert!(warmup.iter().map(|s| s.1).sum::<u32>() > 0);
+        assert!(
+            f64::from(sends) >= 0.9 * 8.0 * 120.0,
+            "{sends} sends in 120 s at a limit of 8/s"
+        );
+        assert!(
+            f64::from(throttled) < 0.01 * f64::from(sends),
+            "{throttled} × 429 in {sends} sends"
+        );
+        p.limit = 12;
+        let raised = simulate(&l, &mut s, &mut p, 150_000_000, 60);
+        let late: u32 = raised[30..].iter().map(|s| s.0).sum();
+        assert!(
+            f64::from(late) >= 0.9 * 12.0 * 30.0,
+            "{late} sends in the last 30 s at 12/s"
+        );
+        p.limit = 4;
+        simulate(&l, &mut s, &mut p, 210_000_000, 30);
+        assert!(
+            s.effective(&l) < 4.0 * 1.1,
+            "rate {} after the limit fell to 4/s",
+            s.rate
+        );
+    }
+
+    fn event() -> impl Strategy<Value = (bool, u64)> {
+        (prop::bool::weighted(0.1), 1u64..400_000)
+    }
+
+    proptest! {
+        #[test]
+        fn the_rate_stays_within_its_bounds_and_falls_on_every_new_burst(
+            ceiling in 1.0f64..1000.0,
+            min_fraction in 0.01f64..1.0,
+            decrease in 0.1f64..0.95,
+            increase in 0.01f64..1.0,
+            events in prop::collection::vec(event(), 1..300),
+        ) {
+            let l = Tuning { ceiling, min: ceiling * min_fraction, decrease, increase, probe_micros: 3_000_000 };
+            let mut s = Learning::new(&l);
+            let mut now = 1_000_000;
+            for (throttled, gap) in events {
+                now += gap;
+                let before = s.effective(&l);
+                let cooling = now < s.cool_until;
+                let changed = if throttled { s.throttled(&l, now) } else { s.sent(&l, now) };
+                let after = s.effective(&l);
+                prop_assert!(after <= l.ceiling && after >= l.min);
+                prop_assert_eq!(changed, after != before);
+                if throttled {
+                    prop_assert!(after <= before);
+                    if !cooling && before > l.min {
+                        prop_assert!(after < before, "a new 429 burst lowers the rate");
+                    }
+                } else {
+                    prop_assert!(after >= before, "a send never lowers it");
+                }
+            }
+        }
+    }
+}

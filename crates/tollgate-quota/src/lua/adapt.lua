@@ -1,0 +1,156 @@
+-- Adaptive quotas: the provider's real limit, learned from its 429s. The
+-- specification, and its property tests, are `adaptive.rs` in tollgate-core;
+-- these are the same steps in the same order, run inside the completion
+-- that records each send, so every pod learns as one and learning costs no
+-- round trip. (A test drives both with the same events and compares them.)
+--
+-- A quota hash with adaptive = '1' holds the ceiling (count, period_ms), the
+-- minimum (min_count, min_period_ms), decrease, increase and probe_ms. Its
+-- learning lives in the target's adapt hash: rate (per second), good, step,
+-- settled, cool, win, n, changed, audited, audited_at (times in µs).
+
+local ADAPT_WINDOW_US = 2000000
+local ADAPT_EXERCISED = 0.8
+local ADAPT_AUDIT_CHANGE = 0.1
+local ADAPT_AUDIT_EVERY_US = 10000000
+-- Learning nobody has touched for a week is forgotten.
+local ADAPT_TTL_MS = 604800000
+
+-- The limits of an adaptive quota hash, or nil when it does not adapt.
+local function adapt_limits(quota_key)
+  local c = redis.call('HMGET', quota_key, 'adaptive', 'count', 'period_ms', 'min_count', 'min_period_ms',
+    'decrease', 'increase', 'probe_ms')
+  if c[1] ~= '1' then return nil end
+  local n = {}
+  for i = 2, 8 do
+    n[i] = tonumber(c[i])
+    if not n[i] or n[i] <= 0 then return nil end
+  end
+  return {ceiling = n[2] / (n[3] / 1000), min = n[4] / (n[5] / 1000), decrease = n[6], increase = n[7],
+    probe = n[8] * 1000}
+end
+
+local ADAPT_FIELDS = {'rate', 'good', 'step', 'settled', 'cool', 'win', 'n', 'changed', 'audited', 'audited_at'}
+
+local function adapt_load(key, l)
+  local f = redis.call('HMGET', key, unpack(ADAPT_FIELDS))
+  local s = {}
+  for i, name in ipairs(ADAPT_FIELDS) do s[name] = tonumber(f[i]) end
+  s.rate = s.rate or l.ceiling
+  s.step, s.settled, s.cool = s.step or 0, s.settled or 0, s.cool or 0
+  s.n, s.changed, s.audited_at = s.n or 0, s.changed or 0, s.audited_at or 0
+  return s
+end
+
+local function adapt_save(key, s)
+  local set, gone = {}, {}
+  for _, name in ipairs(ADAPT_FIELDS) do
+    if s[name] == nil then
+      gone[#gone + 1] = name
+    else
+      set[#set + 1] = name
+      set[#set + 1] = string.format('%.17g', s[name])
+    end
+  end
+  redis.call('HSET', key, unpack(set))
+  if #gone > 0 then redis.call('HDEL', key, unpack(gone)) end
+  redis.call('PEXPIRE', key, ADAPT_TTL_MS)
+end
+
+local function adapt_effective(l, s)
+  return math.max(math.min(s.rate, l.ceiling), l.min)
+end
+
+local function adapt_set(s, new, old, now)
+  s.rate = new
+  if new == old then return false end
+  s.changed = now
+  return true
+end
+
+-- A 429. Returns whether the rate changed.
+local function adapt_throttled(l, s, now)
+  if now < s.cool then return false end
+  local rate = adapt_effective(l, s)
+  local new
+  if s.good and s.good < rate then
+    -- A probe above what held failed: back to it, and wait `probe`.
+    s.settled, s.step, new = now, 0, s.good
+  else
+    -- The limit fell below what held (or nothing has held yet).
+    s.good, s.step, new = nil, l.increase, rate * l.decrease
+  end
+  -- The 429s answering sends made before this change are one burst.
+  s.cool, s.win, s.n = now + ADAPT_WINDOW_US, now, 0
+  return adapt_set(s, adapt_effective(l, {rate = new}), rate, now)
+end
+
+-- A send the provider accepted. Returns whether the rate changed.
+local function adapt_sent(l, s, now)
+  if not s.win then
+    s.win, s.n = now, 0
+    return false
+  end
+  local sent = s.n + 1
+  local elapsed = math.max(now - s.win, 0)
+  if elapsed < ADAPT_WINDOW_US then
+    s.n = sent
+    return false
+  end
+  s.win, s.n = now, 0
+  local rate = adapt_effective(l, s)
+  local used = sent * 1e6 / elapsed
+  -- A rate the tenant does not use is never raised.
+  if now < s.cool or used < ADAPT_EXERCISED * rate then return false end
+  s.good = rate
+  if s.step == 0 then
+    if now < s.settled + l.probe then return false end
+    s.step = l.increase
+  end
+  local new = adapt_effective(l, {rate = rate * (1 + s.step)})
+  s.step = math.min(s.step * 2, 1)
+  return adapt_set(s, new, rate, now)
+end
+
+-- The rate moved enough, long enough after the last entry, to be audited:
+-- returns the rate the audit last showed and the new one.
+local function adapt_audit(l, s, now)
+  local rate = adapt_effective(l, s)
+  local last, at = s.audited or l.ceiling, s.audited_at
+  if not s.audited then at = 0 end
+  if math.abs(rate - last) < ADAPT_AUDIT_CHANGE * last or now < at + ADAPT_AUDIT_EVERY_US then return nil end
+  s.audited, s.audited_at = rate, now
+  return last, rate
+end
+
+-- One outcome for one adaptive target ('sent' or 'throttled'): learns from
+-- it, appends a large enough change to the audit stream, and returns the
+-- effective rate in thousandths per second.
+local function adapt_learn(quota_key, adapt_key, outcome, now, audit_key, label, audit_max)
+  local l = adapt_limits(quota_key)
+  if not l then return -1 end
+  local s = adapt_load(adapt_key, l)
+  if outcome == 'throttled' then adapt_throttled(l, s, now) else adapt_sent(l, s, now) end
+  local last, rate = adapt_audit(l, s, now)
+  if last then
+    redis.call('XADD', audit_key, 'MAXLEN', '~', audit_max, '*',
+      'target', label, 'action', 'adapt', 'who', 'tollgate', 'source', 'adaptive',
+      'at_ms', string.format('%d', math.floor(now / 1000)),
+      'old', cjson.encode({effective = string.format('%.3f', last)}),
+      'new', cjson.encode({effective = string.format('%.3f', rate)}))
+  end
+  adapt_save(adapt_key, s)
+  return math.floor(adapt_effective(l, s) * 1000 + 0.5)
+end
+
+-- The bucket of an adaptive quota: spaced at the effective rate, its places
+-- re-spaced around the last change of it.
+local function adapt_bucket(b, quota_key, adapt_key, pacing)
+  if not b then return nil end
+  local l = adapt_limits(quota_key)
+  if not l then return b end
+  local s = adapt_load(adapt_key, l)
+  b[1] = math.ceil(1e6 / adapt_effective(l, s) * pacing)
+  if s.changed > b[3] then b[3] = s.changed end
+  return b
+end
