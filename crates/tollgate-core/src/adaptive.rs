@@ -11,10 +11,13 @@
 //! The steps:
 //! - a 429 while the rate is above the last rate that held (a probe up
 //!   failed): back to that rate, and stay there for `probe` before trying
-//!   higher again;
-//! - any other 429 (the limit fell below what held, or nothing has held
-//!   yet): multiplicative decrease, rate × `decrease`, and climb back from
-//!   there;
+//!   higher again (twice that when the probe before failed too);
+//! - a lone 429 at a rate that held: that rate sits on the provider's edge,
+//!   where send jitter alone crosses it: one step (`increase`) back, and
+//!   stay there the same way;
+//! - any other 429 (a second one within 6 s: the limit fell; or nothing
+//!   has held yet): multiplicative decrease, rate × `decrease`, and climb
+//!   back from there;
 //! - the 429s that answer sends made before a change are one burst: after
 //!   a change, 429s are ignored for one window;
 //! - a window (2 s) that passes without a 429, with the tenant sending at
@@ -32,6 +35,11 @@ use crate::quota::{QuotaError, Rate};
 /// Microseconds a rate must hold, exercised and without a 429, before it
 /// counts as holding (and the next step up may follow).
 pub const WINDOW_MICROS: u64 = 2_000_000;
+
+/// A 429 within this many microseconds of the last one handled is a storm
+/// (the provider's limit fell): multiplicative decrease, even at a rate
+/// that held.
+pub const STORM_MICROS: u64 = 3 * WINDOW_MICROS;
 
 /// A window counts only when the tenant sent at least this fraction of the
 /// effective rate in it: a limit that is not exercised is never raised.
@@ -205,10 +213,16 @@ pub struct Learning {
     pub good: Option<f64>,
     /// The step of the probe under way, as a fraction of the rate (0 = none).
     pub step: f64,
-    /// When a failed probe last fell back: the next waits `probe` from here.
-    pub settled_at: u64,
+    /// No probe up before this: a failed probe (or a lone 429 at a rate
+    /// that held) settles the rate for a while.
+    pub probe_at: u64,
+    /// How long the last settling lasted: `probe`, doubled (once) while
+    /// probes keep failing, so a steady limit is crossed less often.
+    pub probe_wait: u64,
     /// 429s before this answer sends made before the last change.
     pub cool_until: u64,
+    /// When the last 429 that changed the rate came.
+    pub throttled_at: Option<u64>,
     /// The window under way: when it began and the sends since.
     pub window: Option<(u64, u32)>,
     /// When the rate last changed (places in line are re-spaced around it).
@@ -225,8 +239,10 @@ impl Learning {
             rate: limits.ceiling,
             good: None,
             step: 0.0,
-            settled_at: 0,
+            probe_at: 0,
+            probe_wait: 0,
             cool_until: 0,
+            throttled_at: None,
             window: None,
             changed_at: 0,
             audited: None,
@@ -245,18 +261,29 @@ impl Learning {
             return false;
         }
         let rate = self.effective(limits);
+        let storm = self.throttled_at.is_some_and(|t| now < t + STORM_MICROS);
         let new = match self.good {
             Some(good) if good < rate => {
-                self.settled_at = now;
-                self.step = 0.0;
+                // A probe above what held failed: back to it.
+                self.settle(limits, now);
                 good
+            }
+            Some(_) if !storm => {
+                // A lone 429 at a rate that held: it sits at the provider's
+                // edge, where send jitter alone crosses it. One step back.
+                let back = limits.clamp(rate * (1.0 - limits.increase));
+                self.good = Some(back);
+                self.settle(limits, now);
+                back
             }
             _ => {
                 self.good = None;
                 self.step = limits.increase;
+                self.probe_wait = 0;
                 rate * limits.decrease
             }
         };
+        self.throttled_at = Some(now);
         self.cool_until = now + WINDOW_MICROS;
         self.window = Some((now, 0));
         self.set(limits.clamp(new), rate, now)
@@ -282,14 +309,25 @@ impl Learning {
         }
         self.good = Some(rate);
         if self.step == 0.0 {
-            if now < self.settled_at + limits.probe_micros {
+            if now < self.probe_at {
                 return false;
             }
             self.step = limits.increase;
+        } else {
+            // The last step up held: a later failure waits `probe` afresh.
+            self.probe_wait = 0;
         }
         let new = limits.clamp(rate * (1.0 + self.step));
         self.step = (self.step * 2.0).min(1.0);
         self.set(new, rate, now)
+    }
+
+    /// No probe up for a while: `probe`, or twice that after a failure
+    /// that followed a failure.
+    fn settle(&mut self, limits: &Tuning, now: u64) {
+        self.step = 0.0;
+        self.probe_wait = (self.probe_wait * 2).clamp(limits.probe_micros, 2 * limits.probe_micros);
+        self.probe_at = now + self.probe_wait;
     }
 
     fn set(&mut self, new: f64, old: f64, now: u64) -> bool {
@@ -374,9 +412,9 @@ mod tests {
         now += 100_000;
         assert!(s.throttled(&l, now));
         assert_eq!(s.rate, 14.0, "back to the rate that held");
-        let settled = now;
+        assert_eq!(s.probe_at, now + l.probe_micros);
         // Windows at 14/s hold, but the rate stays until `probe` has passed.
-        while now < settled + l.probe_micros - WINDOW_MICROS {
+        while now < s.probe_at - WINDOW_MICROS {
             now += 1_000_000 / 14;
             s.sent(&l, now);
             assert_eq!(s.rate, 14.0);
@@ -481,14 +519,15 @@ mod tests {
             "{throttled} × 429 in {sends} sends"
         );
         p.limit = 12;
-        let raised = simulate(&l, &mut s, &mut p, 150_000_000, 60);
-        let late: u32 = raised[30..].iter().map(|s| s.0).sum();
+        // A settled rate is probed above within 2 × probe (30 s).
+        let raised = simulate(&l, &mut s, &mut p, 150_000_000, 75);
+        let late: u32 = raised[45..].iter().map(|s| s.0).sum();
         assert!(
             f64::from(late) >= 0.9 * 12.0 * 30.0,
             "{late} sends in the last 30 s at 12/s"
         );
         p.limit = 4;
-        simulate(&l, &mut s, &mut p, 210_000_000, 30);
+        simulate(&l, &mut s, &mut p, 225_000_000, 30);
         assert!(
             s.effective(&l) < 4.0 * 1.1,
             "rate {} after the limit fell to 4/s",

@@ -472,8 +472,10 @@ impl QuotaStore {
         learning.rate = float("rate")?.unwrap_or(tuning.ceiling);
         learning.good = float("good")?;
         learning.step = float("step")?.unwrap_or(0.0);
-        learning.settled_at = micros("settled")?.unwrap_or(0);
+        learning.probe_at = micros("probe_at")?.unwrap_or(0);
+        learning.probe_wait = micros("probe_wait")?.unwrap_or(0);
         learning.cool_until = micros("cool")?.unwrap_or(0);
+        learning.throttled_at = micros("throttled")?;
         learning.window = match micros("win")? {
             Some(start) => Some((start, micros("n")?.unwrap_or(0) as u32)),
             None => None,

@@ -7,9 +7,11 @@
 -- A quota hash with adaptive = '1' holds the ceiling (count, period_ms), the
 -- minimum (min_count, min_period_ms), decrease, increase and probe_ms. Its
 -- learning lives in the target's adapt hash: rate (per second), good, step,
--- settled, cool, win, n, changed, audited, audited_at (times in µs).
+-- probe_at, probe_wait, cool, throttled, win, n, changed, audited,
+-- audited_at (times in µs).
 
 local ADAPT_WINDOW_US = 2000000
+local ADAPT_STORM_US = 3 * ADAPT_WINDOW_US
 local ADAPT_EXERCISED = 0.8
 local ADAPT_AUDIT_CHANGE = 0.1
 local ADAPT_AUDIT_EVERY_US = 10000000
@@ -30,14 +32,15 @@ local function adapt_limits(quota_key)
     probe = n[8] * 1000}
 end
 
-local ADAPT_FIELDS = {'rate', 'good', 'step', 'settled', 'cool', 'win', 'n', 'changed', 'audited', 'audited_at'}
+local ADAPT_FIELDS = {'rate', 'good', 'step', 'probe_at', 'probe_wait', 'cool', 'throttled', 'win', 'n', 'changed',
+  'audited', 'audited_at'}
 
 local function adapt_load(key, l)
   local f = redis.call('HMGET', key, unpack(ADAPT_FIELDS))
   local s = {}
   for i, name in ipairs(ADAPT_FIELDS) do s[name] = tonumber(f[i]) end
   s.rate = s.rate or l.ceiling
-  s.step, s.settled, s.cool = s.step or 0, s.settled or 0, s.cool or 0
+  s.step, s.probe_at, s.probe_wait, s.cool = s.step or 0, s.probe_at or 0, s.probe_wait or 0, s.cool or 0
   s.n, s.changed, s.audited_at = s.n or 0, s.changed or 0, s.audited_at or 0
   return s
 end
@@ -68,18 +71,35 @@ local function adapt_set(s, new, old, now)
   return true
 end
 
+-- No probe up for a while: `probe`, or twice that after a failure that
+-- followed a failure.
+local function adapt_settle(l, s, now)
+  s.step = 0
+  s.probe_wait = math.min(math.max(s.probe_wait * 2, l.probe), 2 * l.probe)
+  s.probe_at = now + s.probe_wait
+end
+
 -- A 429. Returns whether the rate changed.
 local function adapt_throttled(l, s, now)
   if now < s.cool then return false end
   local rate = adapt_effective(l, s)
+  local storm = s.throttled and now < s.throttled + ADAPT_STORM_US
   local new
   if s.good and s.good < rate then
-    -- A probe above what held failed: back to it, and wait `probe`.
-    s.settled, s.step, new = now, 0, s.good
+    -- A probe above what held failed: back to it, and wait.
+    adapt_settle(l, s, now)
+    new = s.good
+  elseif s.good and not storm then
+    -- A lone 429 at a rate that held: it sits at the provider's edge, where
+    -- send jitter alone crosses it. One step back.
+    new = adapt_effective(l, {rate = rate * (1 - l.increase)})
+    s.good = new
+    adapt_settle(l, s, now)
   else
-    -- The limit fell below what held (or nothing has held yet).
-    s.good, s.step, new = nil, l.increase, rate * l.decrease
+    -- The limit fell (a storm), or nothing has held yet.
+    s.good, s.step, s.probe_wait, new = nil, l.increase, 0, rate * l.decrease
   end
+  s.throttled = now
   -- The 429s answering sends made before this change are one burst.
   s.cool, s.win, s.n = now + ADAPT_WINDOW_US, now, 0
   return adapt_set(s, adapt_effective(l, {rate = new}), rate, now)
@@ -104,8 +124,11 @@ local function adapt_sent(l, s, now)
   if now < s.cool or used < ADAPT_EXERCISED * rate then return false end
   s.good = rate
   if s.step == 0 then
-    if now < s.settled + l.probe then return false end
+    if now < s.probe_at then return false end
     s.step = l.increase
+  else
+    -- The last step up held: a later failure waits `probe` afresh.
+    s.probe_wait = 0
   end
   local new = adapt_effective(l, {rate = rate * (1 + s.step)})
   s.step = math.min(s.step * 2, 1)
