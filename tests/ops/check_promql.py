@@ -9,7 +9,8 @@ defaults), Debian's `prometheus` and `promtool`, and the tollgate binary.
 What it does, on loopback only, with a prefix of its own:
 
  1. starts the fake provider (deploy/compose/fake-provider.py) on a free port;
- 2. sets a shadow quota for tenant acme (so shadow verdicts exist), then starts
+ 2. sets an adaptive quota for tenant acme and its route, and a shadow quota
+    (so effective rates and shadow verdicts exist), then starts
     `tollgate worker` with the shipped configuration file
     (deploy/kubernetes/base/tollgate.toml) plus local overrides;
  3. starts Prometheus (scrape and rule evaluation every 1 s, the rules of
@@ -171,6 +172,10 @@ class Live:
 
     def start_worker(self) -> None:
         self.tollgate_cmd("topology", "declare")
+        # acme's quota and the route's adapt (so the effective-rate panels have
+        # data: set by each completion); acme's shadow quota is separate.
+        self.tollgate_cmd("quota", "set", TENANT, "--rate", "10/s", "--adaptive")
+        self.tollgate_cmd("quota", "set", "--route", "default", "--rate", "1000/s", "--adaptive")
         self.tollgate_cmd("quota", "set", TENANT, "--rate", "5/s", "--shadow")
         p = self.spawn("worker", [str(self.tollgate), "worker"])
 

@@ -27,7 +27,13 @@ HISTOGRAMS = {
     "tollgate_quota_wait_seconds",
     "tollgate_provider_request_duration_seconds",
 }
-GAUGES = {"tollgate_jobs_in_flight", "tollgate_consuming", "tollgate_build_info"}
+GAUGES = {
+    "tollgate_jobs_in_flight",
+    "tollgate_consuming",
+    "tollgate_build_info",
+    "tollgate_quota_effective_rate",
+    "tollgate_route_effective_rate",
+}
 SERIES = (
     COUNTERS
     | GAUGES

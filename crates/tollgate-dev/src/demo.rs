@@ -12,7 +12,8 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use clap::Args;
 use tokio::sync::watch;
-use tollgate_core::{Clock, Quota, UnixMillis};
+use tollgate_core::{Adaptive, Clock, Quota, TenantId, UnixMillis};
+use tollgate_quota::{Actor, Change, Target};
 
 use crate::fake_provider::{FakeProvider, Received, strict_limits};
 use tollgate::cli::{self, PublishArgs};
@@ -45,6 +46,9 @@ struct Plan {
     live_per_sec: u32,
     /// Jobs due 3–15 s after the start.
     scheduled: u32,
+    /// The quota learns the provider's real limit from its 429s (`rate` is
+    /// the ceiling).
+    adaptive: bool,
     story: &'static str,
 }
 
@@ -57,6 +61,7 @@ const PLANS: [Plan; 4] = [
         backlog: 1200,
         live_per_sec: 0,
         scheduled: 0,
+        adaptive: false,
         story: "a 1200-job backlog, drained at exactly its quota",
     },
     Plan {
@@ -67,6 +72,7 @@ const PLANS: [Plan; 4] = [
         backlog: 0,
         live_per_sec: 5,
         scheduled: 0,
+        adaptive: false,
         story: "live traffic at 5/s: never waits behind noisy's backlog",
     },
     Plan {
@@ -77,6 +83,7 @@ const PLANS: [Plan; 4] = [
         backlog: 0,
         live_per_sec: 0,
         scheduled: 40,
+        adaptive: false,
         story: "40 jobs due 3-15 s after the start: sent on time, never early",
     },
     Plan {
@@ -87,9 +94,14 @@ const PLANS: [Plan; 4] = [
         backlog: 200,
         live_per_sec: 0,
         scheduled: 0,
-        story: "quota set above the provider's real limit: 429s, parked, sent later",
+        adaptive: true,
+        story: "quota set above the provider's real limit (8/s), adaptive: learns it from the 429s",
     },
 ];
+
+fn tenant_target(name: &str) -> anyhow::Result<Target> {
+    Ok(Target::Tenant(TenantId::parse(name)?))
+}
 
 /// When each job was due (its due_at, or when it was published).
 type DueTimes = Arc<Mutex<HashMap<String, UnixMillis>>>;
@@ -114,9 +126,25 @@ pub async fn run(base: &Config, args: &DemoArgs) -> anyhow::Result<()> {
         .context("the demo needs RabbitMQ (run `make services`)")?;
     broker.declare_topology().await?;
     let store = cli::quota_store(&config)?;
+    let actor = Actor {
+        who: "demo".into(),
+        source: "cli",
+    };
     for plan in &PLANS {
         let quota = Quota::new(plan.rate.parse()?, plan.burst)?;
-        cli::set_tenant_quota(&store, plan.tenant, quota, "demo").await?;
+        let adaptive = plan
+            .adaptive
+            .then(|| Adaptive::new(quota.rate, None, None, None, None))
+            .transpose()?;
+        let change = Change::SetQuota {
+            quota,
+            concurrency: None,
+            weight: None,
+            adaptive,
+        };
+        store
+            .apply(&tenant_target(plan.tenant)?, change, &actor)
+            .await?;
     }
 
     println!(
@@ -217,6 +245,20 @@ pub async fn run(base: &Config, args: &DemoArgs) -> anyhow::Result<()> {
         )
     );
     print!("{}", summary(&received, &due, start));
+    for plan in PLANS.iter().filter(|p| p.adaptive) {
+        let settings = store.get(&tenant_target(plan.tenant)?).await?;
+        let learned = settings.and_then(|s| s.effective).unwrap_or(f64::NAN);
+        println!(
+            "{}: the adaptive quota learned {} (ceiling {}; the provider allows {}/s).\n\
+             `tollgate quota get {}` shows it; `tollgate quota history {}` shows each step.",
+            plan.tenant,
+            tollgate_quota::per_second(learned),
+            plan.rate,
+            plan.provider_limit,
+            plan.tenant,
+            plan.tenant,
+        );
+    }
 
     broker.delete_topology().await?;
     broker.close().await;
@@ -446,7 +488,8 @@ fn summary(received: &[Received], due: &DueTimes, start: UnixMillis) -> String {
     out.push_str(
         "429s on `drifty` are the provider disagreeing with a quota set above its limit: each one\n\
          parks the job for Retry-After and pushes the tenant's bucket past it, so every worker backs\n\
-         off; no attempt is burnt and nothing is lost. The fix is `tollgate quota set drifty --rate 8/s`.\n",
+         off; no attempt is burnt and nothing is lost. Its quota is adaptive: the 429s lower the\n\
+         rate the whole fleet enforces until they stop, and probes above it find a raised limit.\n",
     );
     out
 }

@@ -4,6 +4,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -95,25 +96,39 @@ pub fn always_ok() -> Behavior {
 /// accepted requests in any sliding 1 s window, else 429 with
 /// `Retry-After: 1`. Tenants not listed are unlimited.
 pub fn strict_limits(limits: HashMap<String, u32>) -> Behavior {
-    strict_by(limits, |req| req.tenant.clone())
+    strict_by(
+        move |key| limits.get(key).copied(),
+        |req| req.tenant.clone(),
+    )
+}
+
+/// [`strict_limits`] for one tenant whose limit may change while it runs
+/// (a provider that changes its mind without notice).
+pub fn strict_live_limit(tenant: &str, limit: Arc<AtomicU32>) -> Behavior {
+    let tenant = tenant.to_owned();
+    strict_by(
+        move |key| (key == tenant).then(|| limit.load(Ordering::Relaxed)),
+        |req| req.tenant.clone(),
+    )
 }
 
 /// A provider that limits one account shared by every tenant: at most
 /// `limit` accepted requests of all of them together in any sliding 1 s
 /// window, else 429 with `Retry-After: 1`.
 pub fn strict_account(limit: u32) -> Behavior {
-    strict_by(HashMap::from([(String::new(), limit)]), |_| String::new())
+    strict_by(move |_| Some(limit), |_| String::new())
 }
 
-/// Sliding-second limits on the requests `key` groups together.
+/// Sliding-second limits on the requests `key` groups together (`None`:
+/// that group is unlimited).
 fn strict_by(
-    limits: HashMap<String, u32>,
+    limit_of: impl Fn(&str) -> Option<u32> + Send + Sync + 'static,
     key: impl Fn(&Received) -> String + Send + Sync + 'static,
 ) -> Behavior {
     let windows: Mutex<HashMap<String, VecDeque<Instant>>> = Mutex::new(HashMap::new());
     Arc::new(move |req, _| {
         let key = key(req);
-        let Some(&limit) = limits.get(&key) else {
+        let Some(limit) = limit_of(&key) else {
             return Reply::ok();
         };
         let mut windows = windows.lock().expect("not poisoned");

@@ -26,7 +26,7 @@ mod store;
 pub use conn::{Redis, RedisSettings};
 pub use keys::Keys;
 pub use permit::{PermitSettings, RedisPermits, Reply, SharePlaces};
-pub use store::{Actor, AuditEntry, Cancel, Change, QuotaStore, Settings, Target};
+pub use store::{Actor, AuditEntry, Cancel, Change, QuotaStore, Settings, Target, per_second};
 
 /// Re-exported for tools that talk to the same Redis (bench, tests).
 pub use redis::{Script, cmd as redis_cmd};

@@ -17,6 +17,8 @@
 //! - `sweep`: the noisy neighbour (quiet tenants on the noisy queue and on
 //!   another), scheduled jobs, the 8-process adherence and 200 tenants at
 //!   once, with worker processes at `TOLLGATE_CONCURRENCY` 4, 16, 64, 256.
+//! - `adaptive`: an adaptive quota (20/s ceiling) against a provider that
+//!   allows 8/s, then 12/s, then 4/s, beside fixed quotas at 20/s and 8/s.
 //! - `peer`: the peers, each through the throughput, adherence,
 //!   noisy-neighbour and due-precision scenarios, their figures set beside
 //!   tollgate's in one comparison table (tollgate vs Dramatiq vs BullMQ):
@@ -27,6 +29,7 @@
 //!   into `target/bench-node`) on Redis alone, with a queue and its rate
 //!   limit per tenant.
 
+mod adaptive;
 mod fairness;
 mod pacing;
 mod peer;
@@ -56,10 +59,12 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 3)]
     pub permit_seconds: u64,
     /// Only these scenarios (throughput, pipeline, permits, pacing,
-    /// fairness, sweep, peer; or one point of the pipeline comparison:
+    /// fairness, sweep, adaptive, peer; or one point of the pipeline comparison:
     /// pipeline_p4, pipeline_p16, pipeline_p64, pipeline_p256; or of the
     /// sweep: sweep_c4, sweep_c16, sweep_c64, sweep_c256, sweep_p4; or one
-    /// peer: peer_dramatiq, peer_bullmq). `peer` runs both peers.
+    /// quota of the adaptive comparison: adaptive_learned, adaptive_fixed_20,
+    /// adaptive_fixed_8; or one peer: peer_dramatiq, peer_bullmq). `peer`
+    /// runs both peers.
     #[arg(long, value_delimiter = ',')]
     pub only: Vec<String>,
     /// Where report.json and report.md go.
@@ -219,6 +224,13 @@ pub async fn run(base: &Config, args: &BenchArgs) -> anyhow::Result<()> {
     // `sweep` runs every point; `sweep_c4`, `sweep_p4`, … one each.
     let point = |key: &str| wanted("sweep") || (!args.only.is_empty() && wanted(key));
     scenarios.extend(sweep::run(base, point).await.context("concurrency sweep")?);
+    // `adaptive` runs all three quotas; `adaptive_learned`, … one each.
+    let setting = |key: &str| wanted("adaptive") || (!args.only.is_empty() && wanted(key));
+    scenarios.extend(
+        adaptive::run(base, setting)
+            .await
+            .context("adaptive quotas")?,
+    );
     // `peer` runs every peer; `peer_dramatiq`, `peer_bullmq` one each.
     let mut peer_versions = serde_json::Map::new();
     for framework in peer::Framework::ALL {
