@@ -148,10 +148,12 @@ end
 
 -- One outcome for one adaptive target ('sent' or 'throttled'): learns from
 -- it, appends a large enough change to the audit stream, and returns the
--- effective rate in thousandths per second.
-local function adapt_learn(quota_key, adapt_key, outcome, now, audit_key, label, audit_max)
+-- effective rate in thousandths per second (-1 when the quota does not
+-- adapt; then nothing else is read, not even the clock).
+local function adapt_learn(quota_key, adapt_key, outcome, now_override, audit_key, label, audit_max)
   local l = adapt_limits(quota_key)
   if not l then return -1 end
+  local now = now_us(now_override)
   local s = adapt_load(adapt_key, l)
   if outcome == 'throttled' then adapt_throttled(l, s, now) else adapt_sent(l, s, now) end
   local last, rate = adapt_audit(l, s, now)

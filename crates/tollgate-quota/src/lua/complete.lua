@@ -28,10 +28,9 @@ local function complete(k, a)
   end
   redis.call('ZREM', k[3], a[1])
 
-  local now = now_us(a[6])
   local penalty = tonumber(a[5])
   if penalty > 0 then
-    local until_us = now + penalty
+    local until_us = now_us(a[6]) + penalty
     local ttl = math.ceil(penalty / 1000) + 1000
     local key = k[4]
     if a[7] == 'route' then key = k[5] end
@@ -44,14 +43,14 @@ local function complete(k, a)
   local tenant_rate, route_rate = -1, -1
   if penalty > 0 then
     if a[7] ~= 'route' then
-      tenant_rate = adapt_learn(k[6], k[7], 'throttled', now, k[10], a[8], a[10])
+      tenant_rate = adapt_learn(k[6], k[7], 'throttled', a[6], k[10], a[8], a[10])
     end
     if tenant_rate < 0 then
-      route_rate = adapt_learn(k[8], k[9], 'throttled', now, k[10], a[9], a[10])
+      route_rate = adapt_learn(k[8], k[9], 'throttled', a[6], k[10], a[9], a[10])
     end
   elseif a[2] == '1' then
-    tenant_rate = adapt_learn(k[6], k[7], 'sent', now, k[10], a[8], a[10])
-    route_rate = adapt_learn(k[8], k[9], 'sent', now, k[10], a[9], a[10])
+    tenant_rate = adapt_learn(k[6], k[7], 'sent', a[6], k[10], a[8], a[10])
+    route_rate = adapt_learn(k[8], k[9], 'sent', a[6], k[10], a[9], a[10])
   end
   return {1, tenant_rate, route_rate}
 end
