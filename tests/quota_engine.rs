@@ -736,6 +736,23 @@ async fn the_admin_api_needs_the_right_token() {
         "2/s",
         "nothing changed"
     );
+    // `quota export` writes it in the baseline's format, which reads back.
+    let exported = tollgate_runtime::baseline::Baseline::export(&env.quotas)
+        .await
+        .unwrap();
+    let entry = &exported.tenants["globex"];
+    assert_eq!(entry.rate, "20/s");
+    assert_eq!(entry.adaptive.as_ref().unwrap().min.as_deref(), Some("2/s"));
+    assert!(
+        exported
+            .changes()
+            .unwrap()
+            .iter()
+            .any(|(_, change, _)| matches!(
+                change,
+                Change::SetQuota { adaptive: Some(a), .. } if a.min.to_string() == "2/s"
+            ))
+    );
     env.cleanup().await;
 }
 

@@ -317,4 +317,68 @@ mod tests {
         let bad: Baseline = toml::from_str("[routes.email]\nrate = \"1/s\"\nweight = 2").unwrap();
         assert!(format!("{:#}", bad.changes().unwrap_err()).contains("weight apply to tenants"));
     }
+
+    #[test]
+    fn adaptive_entries_are_checked_and_round_trip() {
+        let text = r#"
+            [tenants.globex]
+            rate = "20/s"
+            adaptive = { min = "2/s", probe_s = 8 }
+
+            [routes.email]
+            rate = "100/s"
+            adaptive = {}
+        "#;
+        let baseline: Baseline = toml::from_str(text).unwrap();
+        let changes = baseline.changes().unwrap();
+        let adaptive: Vec<Adaptive> = changes
+            .iter()
+            .filter_map(|(_, change, _)| match change {
+                Change::SetQuota { adaptive, .. } => *adaptive,
+                _ => None,
+            })
+            .collect();
+        assert_eq!(adaptive.len(), 2);
+        assert!(adaptive.iter().any(|a| a.min.to_string() == "2/s"
+            && a.probe == std::time::Duration::from_secs(8)
+            && a.decrease == Adaptive::DEFAULT_DECREASE));
+        assert!(
+            adaptive.iter().any(|a| a.min.to_string() == "5/s"),
+            "5 % of 100/s"
+        );
+        // A changed parameter is a new version of the entry (seeded again).
+        let mut changed = baseline.clone();
+        changed
+            .tenants
+            .get_mut("globex")
+            .unwrap()
+            .adaptive
+            .as_mut()
+            .unwrap()
+            .min = Some("3/s".into());
+        assert_ne!(
+            changed.tenants["globex"].fingerprint(),
+            baseline.tenants["globex"].fingerprint()
+        );
+        let again: Baseline = toml::from_str(&toml::to_string(&baseline).unwrap()).unwrap();
+        assert_eq!(again, baseline);
+
+        for (text, says) in [
+            (
+                "[tenants.acme]\nrate = \"5/s\"\nadaptive = { min = \"9/s\" }",
+                "--min 9/s is above the rate 5/s",
+            ),
+            (
+                "[tenants.acme]\nrate = \"5/s\"\nadaptive = { slow = true }",
+                "unknown field",
+            ),
+            ("[default]\nrate = \"5/s\"\nadaptive = {}", "the default"),
+        ] {
+            let message = match toml::from_str::<Baseline>(text) {
+                Ok(bad) => format!("{:#}", bad.changes().unwrap_err()),
+                Err(e) => e.to_string(),
+            };
+            assert!(message.contains(says), "{text}: {message}");
+        }
+    }
 }
