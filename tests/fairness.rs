@@ -269,10 +269,13 @@ async fn one_delivery_per_work_queue_still_reaches_a_tenant_behind_a_backlog() {
     .await;
 }
 
-/// One work queue; a noisy tenant's 300-job backlog at 5/s (60 s of work),
+/// One work queue; a noisy tenant's 100-job backlog at 2/s (50 s of work),
 /// then 5 jobs of a quiet tenant behind it. The quiet jobs must go out
 /// before most of the backlog, and the noisy tenant must stay within its
-/// quota; at most one provider call at a time.
+/// quota; at most one provider call at a time. (The first pass over the
+/// backlog takes one park confirmed by the broker per job; on a machine
+/// whose broker confirms slowly, 300 jobs at 5/s measured how slow the
+/// disk was, not whether the quiet tenant waits for the backlog.)
 async fn quiet_behind_a_backlog(setting: &str, tweak: impl FnOnce(&mut tollgate::config::Config)) {
     const CALL: Duration = Duration::from_millis(100);
     let provider = FakeProvider::start(std::sync::Arc::new(|_: &tollgate_tests::Received, _| {
@@ -282,13 +285,13 @@ async fn quiet_behind_a_backlog(setting: &str, tweak: impl FnOnce(&mut tollgate:
     .unwrap();
     // One work queue: the quiet tenant's jobs are behind the whole backlog.
     let env = TestEnv::new_with(&provider.url(), |c| c.shards = 1).await;
-    env.set_quota("noisy", "5/s", 1).await;
+    env.set_quota("noisy", "2/s", 1).await;
     env.set_quota("quiet", "100/s", 1).await;
     let worker = env.spawn_worker_with(tweak).await;
-    env.publish("noisy", 300, |_| {}).await;
+    env.publish("noisy", 100, |_| {}).await;
     let quiet = env.publish("quiet", 5, |_| {}).await;
 
-    wait_for("the quiet jobs", Duration::from_secs(30), || async {
+    wait_for("the quiet jobs", Duration::from_secs(60), || async {
         provider
             .received()
             .iter()
@@ -304,10 +307,10 @@ async fn quiet_behind_a_backlog(setting: &str, tweak: impl FnOnce(&mut tollgate:
         .filter(|r| r.tenant == "noisy")
         .count();
     eprintln!(
-        "{setting}: the quiet tenant's 5 jobs went out after {noisy_before} of the 300 noisy ones"
+        "{setting}: the quiet tenant's 5 jobs went out after {noisy_before} of the 100 noisy ones"
     );
     assert!(
-        noisy_before < 300 / 2,
+        noisy_before < 100 / 2,
         "{setting}: the quiet tenant waited for most of the backlog ({noisy_before} noisy sends first)"
     );
     let noisy: Vec<Instant> = received
@@ -316,8 +319,8 @@ async fn quiet_behind_a_backlog(setting: &str, tweak: impl FnOnce(&mut tollgate:
         .map(|r| r.instant)
         .collect();
     assert!(
-        max_in_window(&noisy, Duration::from_secs(1)) <= 5,
-        "{setting}: the noisy tenant went over 5 in a second"
+        max_in_window(&noisy, Duration::from_secs(1)) <= 2,
+        "{setting}: the noisy tenant went over 2 in a second"
     );
     // Still one call at a time: each takes CALL at the provider, so no two
     // arrive closer than that.
