@@ -36,8 +36,9 @@ impl Keys {
     }
 
     /// Hash: `count`, `period_ms`, `burst`, `concurrency`, `paused`,
-    /// `shadow_count`, `shadow_period_ms`, `shadow_burst`, and who/when of
-    /// the last change.
+    /// `shadow_count`, `shadow_period_ms`, `shadow_burst`, `weight`,
+    /// `adaptive` with its `min_count`, `min_period_ms`, `decrease`,
+    /// `increase`, `probe_ms`, and who/when of the last change.
     pub fn quota(&self, tenant: &TenantId) -> String {
         self.tenant_key("quota", tenant)
     }

@@ -169,9 +169,11 @@ local function adapt_learn(quota_key, adapt_key, outcome, now_override, audit_ke
 end
 
 -- The bucket of an adaptive quota: spaced at the effective rate, its places
--- re-spaced around the last change of it.
-local function adapt_bucket(b, quota_key, adapt_key, pacing)
-  if not b then return nil end
+-- re-spaced around the last change of it. `adaptive` is the quota hash's
+-- field, already read with the quota: a quota that does not adapt costs
+-- nothing more.
+local function adapt_bucket(b, adaptive, quota_key, adapt_key, pacing)
+  if not b or adaptive ~= '1' then return b end
   local l = adapt_limits(quota_key)
   if not l then return b end
   local s = adapt_load(adapt_key, l)

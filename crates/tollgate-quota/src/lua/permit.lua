@@ -11,6 +11,7 @@
 -- a test checks both.
 --
 -- KEYS[1]  tenant_quota_key           hash: count period_ms burst concurrency paused shadow_count shadow_period_ms shadow_burst
+--                                     weight adaptive (and an adaptive quota's parameters, `adapt.lua`)
 -- KEYS[2]  tenant_tat_key             GCRA theoretical arrival time, microseconds of Redis time
 -- KEYS[3]  tenant_waiting_key         hash: at = next free virtual slot, iv = its interval
 -- KEYS[4]  tenant_penalty_key         provider 429: no send before this (microseconds)
@@ -136,7 +137,7 @@ local function permit(KEYS, ARGV)
   end
 
   local q = redis.call('HMGET', tenant_quota_key, 'count', 'period_ms', 'burst', 'concurrency', 'paused',
-    'shadow_count', 'shadow_period_ms', 'shadow_burst', 'updated_at_ms', 'weight')
+    'shadow_count', 'shadow_period_ms', 'shadow_burst', 'updated_at_ms', 'weight', 'adaptive')
   if q[5] == '1' then return {4, tonumber(pause_recheck_us)} end
 
   -- A bucket: {interval, burst, changed_at} or nil. changed_at (microseconds)
@@ -151,13 +152,13 @@ local function permit(KEYS, ARGV)
   end
 
   -- An adaptive quota is spaced at the rate learned (its own is the ceiling).
-  local tenant = adapt_bucket(bucket(q[1], q[2], q[3], q[9]), tenant_quota_key, tenant_adapt_key, pacing)
+  local tenant = adapt_bucket(bucket(q[1], q[2], q[3], q[9]), q[11], tenant_quota_key, tenant_adapt_key, pacing)
   if not tenant then
     local d = redis.call('HMGET', default_quota_key, 'count', 'period_ms', 'burst', 'updated_at_ms')
     tenant = bucket(d[1], d[2], d[3], d[4]) or bucket(default_count, default_period_ms, default_burst, nil)
   end
-  local r = redis.call('HMGET', route_quota_key, 'count', 'period_ms', 'burst', 'updated_at_ms')
-  local route = adapt_bucket(bucket(r[1], r[2], r[3], r[4]), route_quota_key, route_adapt_key, pacing)
+  local r = redis.call('HMGET', route_quota_key, 'count', 'period_ms', 'burst', 'updated_at_ms', 'adaptive')
+  local route = adapt_bucket(bucket(r[1], r[2], r[3], r[4]), r[5], route_quota_key, route_adapt_key, pacing)
 
   -- A place in line given at spacing `old`, re-spaced to the bucket's current
   -- spacing around the moment the quota changed.
