@@ -23,8 +23,10 @@ lint:
 
 # Unit tests (pure core, property tests) and integration tests against the
 # real RabbitMQ and Redis; each test uses its own random prefix. Then a serial
-# phase for the tests that stop the shared RabbitMQ (they restart it).
-test: services
+# phase for the tests that stop the shared RabbitMQ (they restart it). The
+# console's test drives headless Chromium, installed here when missing.
+test:
+	@scripts/services.sh --browser
 	$(CARGO) build --workspace --all-targets
 	$(CARGO) test --workspace
 	$(CARGO) test -p tollgate-tests --test faults --test fairness -- --ignored --test-threads=1

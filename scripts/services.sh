@@ -7,7 +7,10 @@
 #   - not installed: installed from Debian's packages when run as root with apt,
 #     otherwise it stops with a message saying what to install.
 #
-# TOLLGATE_SKIP_SERVICES=1 skips all of it (services elsewhere, URLs in
+# With --browser (`make test`) it also installs Chromium and chromedriver for
+# the console's browser test when they are missing.
+#
+# TOLLGATE_SKIP_SERVICES=1 skips the services (services elsewhere, URLs in
 # TOLLGATE_AMQP_URL / TOLLGATE_REDIS_URL).
 set -euo pipefail
 
@@ -75,6 +78,18 @@ ensure_tools() {
     if [ ${#missing[@]} -gt 0 ]; then install "${missing[@]}"; fi
 }
 
+# The console's browser test: Debian's Chromium and its WebDriver (only for
+# `make test`, which asks for them with --browser).
+ensure_browser() {
+    local missing=()
+    have chromium || missing+=(chromium)
+    have chromedriver || missing+=(chromium-driver)
+    if [ ${#missing[@]} -gt 0 ]; then install "${missing[@]}"; fi
+}
+
+if [ "${1:-}" = --browser ]; then
+    ensure_browser
+fi
 if [ "${TOLLGATE_SKIP_SERVICES:-0}" = 1 ]; then
     say "skipped (TOLLGATE_SKIP_SERVICES=1)"
     exit 0

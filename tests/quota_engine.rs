@@ -534,23 +534,7 @@ async fn the_eligibility_webhook_skips_jobs_without_using_quota() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_admin_api_needs_the_right_token() {
     let env = TestEnv::new("http://127.0.0.1:9/unused").await;
-    let state = tollgate::admin::AdminState {
-        store: Arc::new(tollgate::cli::quota_store(&env.config).unwrap()),
-        token: Some(
-            tollgate::admin::AdminToken::new(tollgate_core::Secret::new("right-token-0123456789"))
-                .unwrap(),
-        ),
-        config_default: env.config.default_quota().unwrap(),
-        cancel_ttl: Duration::from_secs(60),
-    };
-    let (addr, _server) = tollgate::http::serve(
-        ([127, 0, 0, 1], 0).into(),
-        tollgate::admin::router(state),
-        env.config.server_limits(),
-        std::future::pending(),
-    )
-    .await
-    .unwrap();
+    let addr = env.serve_admin("right-token-0123456789").await;
     let http = reqwest::Client::new();
     let url = |path: &str| format!("http://{addr}{path}");
 

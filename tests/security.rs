@@ -549,25 +549,10 @@ async fn the_http_port_bounds_connections_stalled_clients_and_probes() {
     })
     .await;
     let worker = env.spawn_worker().await;
-    let token =
-        tollgate::admin::AdminToken::new(tollgate_core::Secret::new("a-token-of-twenty-bytes"))
-            .unwrap();
-    let admin = tollgate::admin::AdminState {
-        store: std::sync::Arc::new(tollgate::cli::quota_store(&env.config).unwrap()),
-        token: Some(token),
-        config_default: env.config.default_quota().unwrap(),
-        cancel_ttl: Duration::from_secs(60),
-    };
-    let router = tollgate::http::router(worker.metrics.clone(), worker.worker.clone())
-        .merge(tollgate::admin::router(admin));
-    let (addr, _server) = tollgate::http::serve(
-        ([127, 0, 0, 1], 0).into(),
-        router,
-        env.config.server_limits(),
-        std::future::pending(),
-    )
-    .await
-    .unwrap();
+    let router = tollgate::http::router(worker.metrics.clone(), worker.worker.clone()).merge(
+        tollgate::admin::router(env.admin_state("a-token-of-twenty-bytes")),
+    );
+    let addr = env.serve(router).await;
     let http = reqwest::Client::builder()
         .pool_max_idle_per_host(0)
         .build()

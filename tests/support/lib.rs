@@ -244,6 +244,39 @@ impl TestEnv {
             .expect("RabbitMQ is back");
     }
 
+    /// The admin API's state for this installation, behind `token`.
+    pub fn admin_state(&self, token: &str) -> tollgate::admin::AdminState {
+        tollgate::admin::AdminState {
+            store: Arc::new(cli::quota_store(&self.config).expect("redis config")),
+            token: Some(
+                tollgate::admin::AdminToken::new(tollgate_core::Secret::new(token))
+                    .expect("a long enough test token"),
+            ),
+            config_default: self.config.default_quota().expect("a valid default"),
+            cancel_ttl: Duration::from_secs(60),
+        }
+    }
+
+    /// Serves `router` on a free local port until the test ends; returns
+    /// where.
+    pub async fn serve(&self, router: axum::Router) -> std::net::SocketAddr {
+        let (addr, _server) = tollgate::http::serve(
+            ([127, 0, 0, 1], 0).into(),
+            router,
+            self.config.server_limits(),
+            std::future::pending(),
+        )
+        .await
+        .expect("a free local port");
+        addr
+    }
+
+    /// The admin API and the console, behind `token`, on a free local port.
+    pub async fn serve_admin(&self, token: &str) -> std::net::SocketAddr {
+        self.serve(tollgate::admin::router(self.admin_state(token)))
+            .await
+    }
+
     /// Deletes this test's queues, exchanges and Redis keys.
     pub async fn cleanup(mut self) {
         self.cleaned = true;

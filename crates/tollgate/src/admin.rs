@@ -1,5 +1,6 @@
 //! The admin API under `/v1/`: the same operations as `tollgate quota`,
-//! `tollgate tenant` and `tollgate cancel`, for tools and dashboards. Every
+//! `tollgate tenant` and `tollgate cancel`, for tools, dashboards and the
+//! console (`/console/`, served beside it). Every
 //! endpoint needs `Authorization: Bearer $TOLLGATE_ADMIN_TOKEN` (compared in
 //! constant time); with no token configured the API refuses everything. A
 //! token shorter than [`AdminToken::MIN_BYTES`] cannot be built, so an empty
@@ -65,6 +66,7 @@ pub struct AdminState {
 pub fn router(state: AdminState) -> Router {
     Router::new()
         .route("/v1/quotas", get(list))
+        .route("/v1/console/tenants", get(tenant_page))
         .route("/v1/default-quota", get(get_default).put(put_default))
         .route(
             "/v1/tenants/{tenant}/quota",
@@ -86,6 +88,7 @@ pub fn router(state: AdminState) -> Router {
         .layer(middleware::from_fn_with_state(state.clone(), authorize))
         .layer(DefaultBodyLimit::max(BODY_LIMIT))
         .with_state(state)
+        .merge(crate::console::router())
 }
 
 /// Compares without an early exit, so the time taken does not reveal how
@@ -160,16 +163,22 @@ impl From<tollgate_quota::QuotaError> for ApiError {
 type ApiResult = Result<Response, ApiError>;
 
 /// Who made the change: `X-Tollgate-Actor` (for humans behind a tool),
-/// recorded as `api:<actor>`.
+/// recorded as `api:<actor>`, or `console:<actor>` when the call comes from
+/// the console (`X-Tollgate-Client: console`), which goes through the same
+/// endpoints.
 fn actor(headers: &HeaderMap) -> Actor {
     let name = headers
         .get("x-tollgate-actor")
         .and_then(|v| v.to_str().ok())
         .filter(|v| !v.is_empty() && v.len() <= 64 && v.chars().all(|c| !c.is_control()))
         .unwrap_or("unknown");
+    let source = match headers.get("x-tollgate-client").map(|v| v.as_bytes()) {
+        Some(b"console") => "console",
+        _ => "api",
+    };
     Actor {
-        who: format!("api:{name}"),
-        source: "api",
+        who: format!("{source}:{name}"),
+        source,
     }
 }
 
@@ -305,6 +314,38 @@ async fn list(State(state): State<AdminState>) -> ApiResult {
         "default": default_json(&state).await?,
         "tenants": tenants,
         "routes": routes,
+    }))
+    .into_response())
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PageQuery {
+    #[serde(default)]
+    prefix: String,
+    #[serde(default)]
+    offset: usize,
+    limit: Option<usize>,
+}
+
+/// The console's tenant list: one page, by name, filtered by prefix.
+async fn tenant_page(State(state): State<AdminState>, Query(q): Query<PageQuery>) -> ApiResult {
+    let limit = q.limit.unwrap_or(50).clamp(1, 500);
+    let (total, page) = state.store.tenant_page(&q.prefix, q.offset, limit).await?;
+    let tenants: Vec<_> = page
+        .iter()
+        .map(|(t, s)| {
+            let mut row = settings_json(s);
+            row["tenant"] = t.to_string().into();
+            row
+        })
+        .collect();
+    Ok(Json(json!({
+        "total": total,
+        "offset": q.offset,
+        "limit": limit,
+        "tenants": tenants,
+        "default": default_json(&state).await?,
     }))
     .into_response())
 }

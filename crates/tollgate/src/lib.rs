@@ -7,6 +7,7 @@
 pub mod admin;
 pub mod cli;
 pub mod config;
+pub mod console;
 pub mod http;
 pub mod logging;
 

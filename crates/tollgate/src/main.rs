@@ -90,7 +90,7 @@ async fn worker(config: Config) -> anyhow::Result<()> {
         },
     )
     .await?;
-    tracing::info!(%addr, "serving /metrics, /healthz, /readyz");
+    tracing::info!(%addr, "serving /metrics, /healthz, /readyz, the admin API under /v1/ and the console under /console/");
     let result = worker.run(shutdown_signal()).await;
     let _ = stop_tx.send(true);
     let _ = server.await;

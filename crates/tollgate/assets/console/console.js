@@ -1,0 +1,340 @@
+// tollgate console. Hand-written, no build step, no dependencies.
+//
+// The admin token lives in this tab's sessionStorage and goes out as
+// `Authorization: Bearer` on every call; there are no cookies, so a page
+// elsewhere cannot make the browser act for the operator. Every value from
+// the server reaches the page through textContent, never as HTML.
+"use strict";
+
+(function () {
+  const PAGE = 50;
+  const POLL_MS = 2000;
+  const store = window.sessionStorage;
+  const $ = (id) => document.getElementById(id);
+
+  const view = { offset: 0, prefix: "", tenant: null, timer: null };
+
+  // ---- talking to the admin API -------------------------------------------
+
+  class ApiError extends Error {
+    constructor(status, message) {
+      super(message);
+      this.status = status;
+    }
+  }
+
+  async function api(method, path, body) {
+    const headers = {
+      Authorization: "Bearer " + store.getItem("tollgate.token"),
+      "X-Tollgate-Actor": store.getItem("tollgate.actor") || "",
+      "X-Tollgate-Client": "console",
+    };
+    const init = { method, headers, cache: "no-store", credentials: "omit" };
+    if (body !== undefined) {
+      headers["Content-Type"] = "application/json";
+      init.body = JSON.stringify(body);
+    }
+    let response;
+    try {
+      response = await fetch(path, init);
+    } catch (e) {
+      throw new ApiError(0, "the worker did not answer (" + e.message + ")");
+    }
+    let data = null;
+    try {
+      data = await response.json();
+    } catch (e) {
+      data = null;
+    }
+    if (!response.ok) {
+      const message = data && data.error ? data.error : response.status + " " + response.statusText;
+      if (response.status === 401 && store.getItem("tollgate.token")) signOut(message);
+      throw new ApiError(response.status, message);
+    }
+    return data;
+  }
+
+  // ---- small DOM helpers ---------------------------------------------------
+
+  function el(tag, text, className) {
+    const node = document.createElement(tag);
+    if (text !== undefined && text !== null) node.textContent = String(text);
+    if (className) node.className = className;
+    return node;
+  }
+
+  function show(id, on) {
+    $(id).hidden = !on;
+  }
+
+  function say(id, message) {
+    const node = $(id);
+    node.textContent = message || "";
+    node.hidden = !message;
+  }
+
+  function quotaText(q) {
+    if (!q || !q.quota) return "default";
+    return q.quota.rate + (q.quota.burst > 1 ? " burst " + q.quota.burst : "");
+  }
+
+  function effectiveText(q) {
+    if (!q.adaptive) return "";
+    return q.effective_rate_per_s == null ? "(learning)" : q.effective_rate_per_s.toFixed(2) + "/s";
+  }
+
+  function stateTags(q) {
+    const cell = el("td");
+    if (q.paused) cell.appendChild(el("span", "paused", "tag paused"));
+    if (q.adaptive) cell.appendChild(el("span", "adaptive", "tag adaptive"));
+    if (q.shadow) cell.appendChild(el("span", "shadow " + q.shadow.rate, "tag shadow"));
+    return cell;
+  }
+
+  // ---- signing in and out --------------------------------------------------
+
+  async function signIn(event) {
+    event.preventDefault();
+    say("login-error", "");
+    store.setItem("tollgate.token", $("login-token").value);
+    store.setItem("tollgate.actor", $("login-actor").value.trim());
+    try {
+      await api("GET", "/v1/console/tenants?limit=1");
+    } catch (e) {
+      store.removeItem("tollgate.token");
+      say("login-error", e.status === 401 ? "Sign-in refused: " + e.message : e.message);
+      return;
+    }
+    $("login-token").value = "";
+    enter();
+  }
+
+  function signOut(reason) {
+    store.removeItem("tollgate.token");
+    store.removeItem("tollgate.actor");
+    clearInterval(view.timer);
+    view.timer = null;
+    show("whoami", false);
+    show("tenants", false);
+    show("tenant", false);
+    show("login", true);
+    say("login-error", reason || "");
+  }
+
+  function enter() {
+    $("actor-name").textContent = store.getItem("tollgate.actor");
+    show("login", false);
+    show("whoami", true);
+    show("tenants", true);
+    refresh();
+    view.timer = setInterval(refresh, POLL_MS);
+  }
+
+  // ---- the tenant list -----------------------------------------------------
+
+  async function refresh() {
+    try {
+      await loadList();
+      if (view.tenant) await loadTenant(view.tenant);
+      $("live").textContent = "updated " + new Date().toLocaleTimeString();
+      say("list-error", "");
+    } catch (e) {
+      say("list-error", e.message);
+    }
+  }
+
+  async function loadList() {
+    const query = new URLSearchParams({
+      prefix: view.prefix,
+      offset: String(view.offset),
+      limit: String(PAGE),
+    });
+    const page = await api("GET", "/v1/console/tenants?" + query);
+    const body = $("tenant-table").tBodies[0];
+    const rows = page.tenants.map((t) => {
+      const row = el("tr");
+      row.dataset.tenant = t.tenant;
+      const name = el("td");
+      const link = el("a", t.tenant);
+      link.href = "#tenant=" + encodeURIComponent(t.tenant);
+      name.appendChild(link);
+      row.appendChild(name);
+      row.appendChild(el("td", quotaText(t)));
+      row.appendChild(el("td", effectiveText(t)));
+      row.appendChild(el("td", t.concurrency == null ? "" : t.concurrency));
+      row.appendChild(el("td", t.weight));
+      row.appendChild(stateTags(t));
+      row.appendChild(el("td", t.updated_by || ""));
+      return row;
+    });
+    body.replaceChildren(...rows);
+    show("no-tenants", page.total === 0);
+    const last = Math.min(page.offset + page.tenants.length, page.total);
+    $("page-info").textContent = page.total ? page.offset + 1 + "–" + last + " of " + page.total : "";
+    $("prev").disabled = page.offset === 0;
+    $("next").disabled = last >= page.total;
+    const fallback = page.default.quota;
+    $("default-quota").textContent = fallback.rate + " burst " + fallback.burst + " (" + page.default.source + ")";
+  }
+
+  // ---- one tenant ----------------------------------------------------------
+
+  function openTenant(name) {
+    view.tenant = name;
+    $("tenant-name").textContent = name || "(new)";
+    $("quota-tenant").value = name || "";
+    $("quota-tenant").readOnly = !!name;
+    for (const id of ["quota-rate", "quota-concurrency", "quota-weight", "quota-min"]) $(id).value = "";
+    $("quota-burst").value = "1";
+    $("quota-adaptive").checked = false;
+    say("quota-error", "");
+    say("quota-ok", "");
+    say("action-error", "");
+    show("confirm-delete", false);
+    show("tenant", true);
+    $("tenant-settings").replaceChildren();
+    $("history-table").tBodies[0].replaceChildren();
+    if (name) loadTenant(name, true).catch((e) => say("action-error", e.message));
+  }
+
+  function closeTenant() {
+    view.tenant = null;
+    show("tenant", false);
+    if (location.hash) history.replaceState(null, "", location.pathname);
+  }
+
+  async function loadTenant(name, fillForm) {
+    let settings = null;
+    try {
+      settings = await api("GET", "/v1/tenants/" + encodeURIComponent(name) + "/quota");
+    } catch (e) {
+      if (e.status !== 404) throw e;
+    }
+    if (view.tenant !== name) return;
+    const list = [];
+    const add = (term, value) => list.push(el("dt", term), el("dd", value));
+    if (settings) {
+      add("quota", quotaText(settings));
+      if (settings.adaptive) {
+        add("adaptive", "min " + settings.adaptive.min + ", decrease " + settings.adaptive.decrease +
+          ", increase " + settings.adaptive.increase + ", probe " + settings.adaptive.probe_s + " s");
+        add("effective rate", effectiveText(settings));
+      }
+      add("concurrency", settings.concurrency == null ? "unlimited" : settings.concurrency);
+      add("weight", settings.weight);
+      add("paused", settings.paused ? "yes" : "no");
+      add("shadow", settings.shadow ? settings.shadow.rate : "no");
+      add("last changed", (settings.updated_at || "") + " by " + (settings.updated_by || "?"));
+    } else {
+      add("quota", "none stored: the default applies");
+    }
+    $("tenant-settings").replaceChildren(...list);
+    if (fillForm && settings && settings.quota) {
+      $("quota-rate").value = settings.quota.rate;
+      $("quota-burst").value = settings.quota.burst;
+      $("quota-concurrency").value = settings.concurrency == null ? "" : settings.concurrency;
+      $("quota-weight").value = settings.weight;
+      $("quota-adaptive").checked = !!settings.adaptive;
+      $("quota-min").value = settings.adaptive ? settings.adaptive.min : "";
+    }
+    const entries = await api("GET", "/v1/history?limit=50&target=" + encodeURIComponent("tenant:" + name));
+    if (view.tenant !== name) return;
+    $("history-table").tBodies[0].replaceChildren(
+      ...entries.map((h) => {
+        const row = el("tr");
+        row.appendChild(el("td", h.at));
+        row.appendChild(el("td", h.action));
+        row.appendChild(el("td", h.who));
+        row.appendChild(el("td", quotaText(h.old)));
+        row.appendChild(el("td", quotaText(h.new)));
+        return row;
+      })
+    );
+  }
+
+  function number(id) {
+    const raw = $(id).value.trim();
+    return raw === "" ? undefined : Number(raw);
+  }
+
+  async function saveQuota(event) {
+    event.preventDefault();
+    say("quota-error", "");
+    say("quota-ok", "");
+    const name = $("quota-tenant").value.trim();
+    const body = { rate: $("quota-rate").value.trim(), burst: number("quota-burst") || 1 };
+    const concurrency = number("quota-concurrency");
+    const weight = number("quota-weight");
+    if (concurrency !== undefined) body.concurrency = concurrency;
+    if (weight !== undefined) body.weight = weight;
+    if ($("quota-adaptive").checked) {
+      body.adaptive = {};
+      const min = $("quota-min").value.trim();
+      if (min) body.adaptive.min = min;
+    }
+    try {
+      await api("PUT", "/v1/tenants/" + encodeURIComponent(name) + "/quota", body);
+    } catch (e) {
+      say("quota-error", e.message);
+      return;
+    }
+    say("quota-ok", "Saved: " + name + " " + body.rate);
+    if (view.tenant !== name) openTenant(name);
+    await refresh();
+  }
+
+  async function act(method, suffix) {
+    say("action-error", "");
+    try {
+      await api(method, "/v1/tenants/" + encodeURIComponent(view.tenant) + suffix);
+    } catch (e) {
+      say("action-error", e.message);
+      return;
+    }
+    await refresh();
+  }
+
+  // ---- wiring --------------------------------------------------------------
+
+  function fromHash() {
+    const match = /^#tenant=(.+)$/.exec(location.hash);
+    if (match && store.getItem("tollgate.token")) openTenant(decodeURIComponent(match[1]));
+  }
+
+  document.addEventListener("DOMContentLoaded", () => {
+    $("login-form").addEventListener("submit", signIn);
+    $("logout").addEventListener("click", () => signOut(""));
+    const search = () => {
+      if (view.prefix === $("search").value.trim()) return;
+      view.prefix = $("search").value.trim();
+      view.offset = 0;
+      refresh();
+    };
+    $("search").addEventListener("input", search);
+    $("search").addEventListener("change", search);
+    $("prev").addEventListener("click", () => {
+      view.offset = Math.max(0, view.offset - PAGE);
+      refresh();
+    });
+    $("next").addEventListener("click", () => {
+      view.offset += PAGE;
+      refresh();
+    });
+    $("new-quota").addEventListener("click", () => openTenant(null));
+    $("close-tenant").addEventListener("click", closeTenant);
+    $("quota-form").addEventListener("submit", saveQuota);
+    $("pause").addEventListener("click", () => act("POST", "/pause"));
+    $("resume").addEventListener("click", () => act("POST", "/resume"));
+    $("delete-quota").addEventListener("click", () => show("confirm-delete", true));
+    $("confirm-delete-no").addEventListener("click", () => show("confirm-delete", false));
+    $("confirm-delete-yes").addEventListener("click", async () => {
+      show("confirm-delete", false);
+      await act("DELETE", "/quota");
+    });
+    window.addEventListener("hashchange", fromHash);
+    if (store.getItem("tollgate.token")) {
+      enter();
+      fromHash();
+    }
+  });
+})();

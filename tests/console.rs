@@ -1,0 +1,374 @@
+//! The operator console in a real browser: headless Chromium driven over
+//! WebDriver (chromedriver), against a real admin API on a real Redis.
+//! `make test` installs Debian's `chromium` and `chromium-driver` when they
+//! are missing. Screenshots of the pages go to `target/console-screenshots/`.
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use base64::Engine;
+use serde_json::{Value, json};
+use tollgate_core::Quota;
+use tollgate_quota::{Actor, Change, Target};
+use tollgate_tests::{TestEnv, free_port};
+
+const TOKEN: &str = "console-test-token-0123456789";
+/// How long the page gets to show what a step waits for.
+const PATIENCE: Duration = Duration::from_secs(20);
+
+/// The W3C WebDriver element reference key.
+const ELEMENT: &str = "element-6066-11e4-a52e-4f735466cecf";
+
+/// A chromedriver process and one headless Chromium session in it.
+struct Browser {
+    driver: Child,
+    http: reqwest::Client,
+    session: String,
+    _profile: TempDir,
+}
+
+struct TempDir(PathBuf);
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn executable(names: &[&str]) -> String {
+    for name in names {
+        for dir in ["/usr/bin", "/usr/local/bin", "/usr/lib/chromium"] {
+            let path = format!("{dir}/{name}");
+            if std::path::Path::new(&path).exists() {
+                return path;
+            }
+        }
+    }
+    panic!(
+        "{} not found: install Debian's chromium and chromium-driver (`make test` does)",
+        names.join(" or ")
+    );
+}
+
+impl Browser {
+    async fn start() -> Self {
+        let chromedriver = executable(&["chromedriver"]);
+        let chromium = executable(&["chromium", "chromium-browser"]);
+        let port = free_port();
+        let driver = Command::new(chromedriver)
+            .arg(format!("--port={port}"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("chromedriver starts");
+        let base = format!("http://127.0.0.1:{port}");
+        let http = reqwest::Client::new();
+        let deadline = Instant::now() + PATIENCE;
+        while http.get(format!("{base}/status")).send().await.is_err() {
+            assert!(Instant::now() < deadline, "chromedriver never listened");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let profile = std::env::temp_dir().join(format!(
+            "tollgate-console-{}",
+            uuid::Uuid::new_v4().simple()
+        ));
+        let args = [
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-dev-shm-usage",
+            "--disable-quic",
+            "--no-first-run",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            "--window-size=1280,900",
+        ]
+        .iter()
+        .map(|a| a.to_string())
+        .chain([format!("--user-data-dir={}", profile.display())])
+        .collect::<Vec<_>>();
+        let created: Value = http
+            .post(format!("{base}/session"))
+            .json(&json!({"capabilities": {"alwaysMatch": {
+                "browserName": "chrome",
+                "goog:chromeOptions": {"binary": chromium, "args": args},
+            }}}))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        let session = created["value"]["sessionId"]
+            .as_str()
+            .unwrap_or_else(|| panic!("a browser session: {created}"))
+            .to_owned();
+        Self {
+            driver,
+            http,
+            session: format!("{base}/session/{session}"),
+            _profile: TempDir(profile),
+        }
+    }
+
+    async fn call(&self, method: reqwest::Method, path: &str, body: Value) -> Value {
+        let request = self.http.request(method, format!("{}{path}", self.session));
+        let request = if body.is_null() {
+            request
+        } else {
+            request.json(&body)
+        };
+        let reply: Value = request.send().await.unwrap().json().await.unwrap();
+        reply["value"].clone()
+    }
+
+    async fn goto(&self, url: &str) {
+        self.call(reqwest::Method::POST, "/url", json!({ "url": url }))
+            .await;
+    }
+
+    async fn find(&self, css: &str) -> String {
+        let found = self
+            .call(
+                reqwest::Method::POST,
+                "/element",
+                json!({"using": "css selector", "value": css}),
+            )
+            .await;
+        found[ELEMENT]
+            .as_str()
+            .unwrap_or_else(|| panic!("no element {css}: {found}"))
+            .to_owned()
+    }
+
+    async fn fill(&self, css: &str, text: &str) {
+        let id = self.find(css).await;
+        self.call(
+            reqwest::Method::POST,
+            &format!("/element/{id}/clear"),
+            json!({}),
+        )
+        .await;
+        self.call(
+            reqwest::Method::POST,
+            &format!("/element/{id}/value"),
+            json!({ "text": text }),
+        )
+        .await;
+    }
+
+    async fn click(&self, css: &str) {
+        let id = self.find(css).await;
+        self.call(
+            reqwest::Method::POST,
+            &format!("/element/{id}/click"),
+            json!({}),
+        )
+        .await;
+    }
+
+    /// The element's rendered text ("" while it is hidden).
+    async fn text(&self, css: &str) -> String {
+        let id = self.find(css).await;
+        let text = self
+            .call(
+                reqwest::Method::GET,
+                &format!("/element/{id}/text"),
+                Value::Null,
+            )
+            .await;
+        text.as_str().unwrap_or_default().to_owned()
+    }
+
+    async fn value(&self, css: &str) -> String {
+        let id = self.find(css).await;
+        let value = self
+            .call(
+                reqwest::Method::GET,
+                &format!("/element/{id}/property/value"),
+                Value::Null,
+            )
+            .await;
+        value.as_str().unwrap_or_default().to_owned()
+    }
+
+    /// Waits until the element's text contains `wanted`; returns the text.
+    async fn until_text(&self, css: &str, wanted: &str) -> String {
+        let deadline = Instant::now() + PATIENCE;
+        loop {
+            let text = self.text(css).await;
+            if text.contains(wanted) {
+                return text;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{css} never showed {wanted:?}; it shows {text:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    async fn screenshot(&self, name: &str) {
+        let png = self
+            .call(reqwest::Method::GET, "/screenshot", Value::Null)
+            .await;
+        let bytes = base64::engine::general_purpose::STANDARD
+            .decode(png.as_str().expect("a screenshot"))
+            .unwrap();
+        let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/console-screenshots");
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join(format!("{name}.png")), bytes).unwrap();
+    }
+
+    async fn quit(mut self) {
+        self.call(reqwest::Method::DELETE, "", Value::Null).await;
+        let _ = self.driver.kill();
+        let _ = self.driver.wait();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operator_signs_in_sees_a_tenant_and_changes_its_quota() {
+    let env = TestEnv::new("http://127.0.0.1:9/unused").await;
+    let acme = Target::Tenant(TestEnv::tenant("acme"));
+    let setup = Actor {
+        who: "test".into(),
+        source: "cli",
+    };
+    for (name, rate) in [("acme", "5/s"), ("globex", "2/s")] {
+        let change = Change::SetQuota {
+            quota: Quota::parse(rate, 1).unwrap(),
+            concurrency: None,
+            weight: None,
+            adaptive: None,
+        };
+        env.quotas
+            .apply(&Target::Tenant(TestEnv::tenant(name)), change, &setup)
+            .await
+            .unwrap();
+    }
+    let addr = env.serve_admin(TOKEN).await;
+    let browser = Browser::start().await;
+    browser.goto(&format!("http://{addr}/console/")).await;
+
+    // A wrong token: the sign-in error, and nothing else of the console.
+    browser
+        .fill("#login-token", "not-the-token-0123456789")
+        .await;
+    browser.fill("#login-actor", "alice").await;
+    browser.click("#login-form button[type=submit]").await;
+    let refused = browser
+        .until_text("#login-error", "missing or wrong bearer token")
+        .await;
+    assert!(refused.starts_with("Sign-in refused"), "{refused}");
+    assert_eq!(
+        browser.text("#tenant-table").await,
+        "",
+        "the list stays hidden"
+    );
+    browser.screenshot("login-refused").await;
+
+    // The right one: the tenant list.
+    browser.fill("#login-token", TOKEN).await;
+    browser.click("#login-form button[type=submit]").await;
+    let list = browser.until_text("#tenant-table tbody", "acme").await;
+    assert!(list.contains("5/s") && list.contains("globex"), "{list}");
+    assert_eq!(browser.text("#actor-name").await, "alice");
+    browser.fill("#search", "glo").await;
+    let filtered = browser.until_text("#page-info", "1–1 of 1").await;
+    assert_eq!(filtered, "1–1 of 1");
+    assert!(!browser.text("#tenant-table tbody").await.contains("acme"));
+    browser.fill("#search", "").await;
+    browser.until_text("#page-info", "1–2 of 2").await;
+    browser.screenshot("tenants").await;
+
+    // Open acme, change its quota through the form.
+    browser.click("#tenant-table a[href='#tenant=acme']").await;
+    browser.until_text("#tenant-settings", "5/s").await;
+    assert_eq!(browser.value("#quota-rate").await, "5/s");
+    browser.fill("#quota-rate", "7/s").await;
+    browser.click("#quota-form button[type=submit]").await;
+    browser.until_text("#quota-ok", "Saved: acme 7/s").await;
+    let stored = env.quotas.get(&acme).await.unwrap().expect("acme's quota");
+    assert_eq!(stored.quota, Some(Quota::parse("7/s", 1).unwrap()));
+    let history = env.quotas.history(Some(&acme), 10).await.unwrap();
+    assert_eq!(
+        history[0].who, "console:alice",
+        "audited with the actor typed at sign-in"
+    );
+    assert_eq!(history[0].source, "console");
+    browser.until_text("#history-table", "console:alice").await;
+    browser.screenshot("tenant").await;
+
+    // A malformed rate: the CLI's error, and nothing changes.
+    browser.fill("#quota-rate", "seven/s").await;
+    browser.click("#quota-form button[type=submit]").await;
+    let cli_error = Quota::parse("seven/s", 1).unwrap_err().to_string();
+    browser.until_text("#quota-error", &cli_error).await;
+    let unchanged = env.quotas.get(&acme).await.unwrap().unwrap();
+    assert_eq!(unchanged.quota, Some(Quota::parse("7/s", 1).unwrap()));
+    assert_eq!(
+        env.quotas.history(Some(&acme), 10).await.unwrap().len(),
+        history.len()
+    );
+
+    // Pause from the console: stored, and shown.
+    browser.click("#pause").await;
+    browser.until_text("#tenant-table tbody", "paused").await;
+    assert!(env.quotas.get(&acme).await.unwrap().unwrap().paused);
+
+    browser.quit().await;
+    env.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_console_pages_forbid_inline_script_and_framing() {
+    let env = TestEnv::new("http://127.0.0.1:9/unused").await;
+    let addr = env.serve_admin(TOKEN).await;
+    let http = reqwest::Client::new();
+    for path in ["/console/", "/console/console.js", "/console/console.css"] {
+        let page = http
+            .get(format!("http://{addr}{path}"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(page.status(), 200, "{path}");
+        let headers = page.headers();
+        let csp = headers["content-security-policy"].to_str().unwrap();
+        assert!(
+            csp.contains("script-src 'self'") && !csp.contains("unsafe"),
+            "{csp}"
+        );
+        assert!(csp.contains("frame-ancestors 'none'"), "{csp}");
+        assert_eq!(headers["x-frame-options"], "DENY");
+        assert_eq!(headers["x-content-type-options"], "nosniff");
+        assert!(!headers.contains_key("set-cookie"));
+    }
+    let page = http
+        .get(format!("http://{addr}/console/"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(!page.contains("<script>"), "no inline script");
+    let handler = page.split(|c: char| c.is_whitespace()).find(|word| {
+        word.strip_prefix("on")
+            .and_then(|rest| rest.split_once('='))
+            .is_some_and(|(name, _)| {
+                !name.is_empty() && name.chars().all(|c| c.is_ascii_alphabetic())
+            })
+    });
+    assert_eq!(handler, None, "no inline event handlers");
+    // The data behind the console needs the token.
+    let page = http
+        .get(format!("http://{addr}/v1/console/tenants"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(page.status(), 401);
+    env.cleanup().await;
+}
