@@ -11,7 +11,7 @@ use base64::Engine;
 use serde_json::{Value, json};
 use tollgate_core::Quota;
 use tollgate_quota::{Actor, Change, Target};
-use tollgate_tests::{TestEnv, free_port};
+use tollgate_tests::{TestEnv, free_port, wait_for};
 
 const TOKEN: &str = "console-test-token-0123456789";
 /// How long the page gets to show what a step waits for.
@@ -370,5 +370,99 @@ async fn the_console_pages_forbid_inline_script_and_framing() {
         .await
         .unwrap();
     assert_eq!(page.status(), 401);
+    env.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operator_replays_and_purges_dead_letters_with_a_confirmation() {
+    let env = TestEnv::new("http://127.0.0.1:9/unused").await;
+    let worker = env.spawn_worker().await;
+    for (tenant, n) in [("acme", 2), ("globex", 1)] {
+        for _ in 0..n {
+            env.publish_raw(tenant, b"not json").await;
+        }
+    }
+    wait_for("three malformed dead letters", PATIENCE, || async {
+        env.dead_letters().await.len() == 3
+    })
+    .await;
+    // Replayed letters stay in the work queue: nothing dead-letters them again.
+    worker.stop().await.unwrap();
+
+    let addr = env.serve_admin(TOKEN).await;
+    let browser = Browser::start().await;
+    browser.goto(&format!("http://{addr}/console/")).await;
+    browser.fill("#login-token", TOKEN).await;
+    browser.fill("#login-actor", "bob").await;
+    browser.click("#login-form button[type=submit]").await;
+    browser.click("#dlq-refresh").await;
+    let counts = browser.until_text("#dlq-counts tbody", "globex").await;
+    assert!(counts.contains("malformed acme 2"), "{counts}");
+    assert!(counts.contains("malformed globex 1"), "{counts}");
+    browser.until_text("#dlq-depth", "3 dead letter(s)").await;
+    browser.screenshot("dead-letters").await;
+
+    // Replay acme's two.
+    browser
+        .click("#dlq-counts tbody tr:first-child button")
+        .await;
+    browser.until_text("#dlq-ok", "Replayed 2; 1 left.").await;
+    // The console reads the queue again after the replay; a read takes the
+    // letters out of sight until it puts them back, so wait for it.
+    wait_for("one dead letter left", PATIENCE, || async {
+        env.dead_letters().await.len() == 1
+    })
+    .await;
+    assert_eq!(env.dead_letters().await[0].tenant, "globex");
+    assert_eq!(
+        env.pending().await,
+        2,
+        "acme's two are back in the work queue"
+    );
+
+    // The API behind the buttons refuses what the CLI refuses.
+    let bogus = reqwest::Client::new()
+        .post(format!("http://{addr}/v1/dlq/replay"))
+        .bearer_auth(TOKEN)
+        .json(&json!({"reason": "bogus"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(bogus.status(), 400);
+    let error: Value = bogus.json().await.unwrap();
+    assert_eq!(
+        error["error"],
+        "reason \"bogus\" is not one of malformed, expired, rejected, exhausted, poison"
+    );
+
+    // Purge: a wrong name deletes nothing; the queue's name deletes all.
+    browser.click("#dlq-purge").await;
+    browser.fill("#dlq-confirm-name", "yes").await;
+    browser.click("#dlq-confirm-yes").await;
+    browser.until_text("#dlq-error", "not confirmed").await;
+    wait_for(
+        "the refused purge to leave the letter",
+        PATIENCE,
+        || async { env.dead_letters().await.len() == 1 },
+    )
+    .await;
+    let queue = browser.text("#dlq-queue").await;
+    browser.fill("#dlq-confirm-name", &queue).await;
+    browser.click("#dlq-confirm-yes").await;
+    browser.until_text("#dlq-ok", "Purged 1.").await;
+    assert!(env.dead_letters().await.is_empty());
+
+    let audit = env.quotas.history(None, 10).await.unwrap();
+    let actions: Vec<_> = audit
+        .iter()
+        .filter(|e| e.target == "dlq")
+        .map(|e| (e.action.as_str(), e.who.as_str()))
+        .collect();
+    assert_eq!(
+        actions,
+        [("purge", "console:bob"), ("replay", "console:bob")],
+        "newest first"
+    );
+    browser.quit().await;
     env.cleanup().await;
 }

@@ -252,8 +252,7 @@ impl TestEnv {
                 tollgate::admin::AdminToken::new(tollgate_core::Secret::new(token))
                     .expect("a long enough test token"),
             ),
-            config_default: self.config.default_quota().expect("a valid default"),
-            cancel_ttl: Duration::from_secs(60),
+            config: Arc::new(self.config.clone()),
         }
     }
 

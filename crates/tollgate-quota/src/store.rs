@@ -307,6 +307,9 @@ pub struct AuditEntry {
     pub source: String,
     pub old: Settings,
     pub new: Settings,
+    /// What an action other than a quota change did ("job_id 42",
+    /// "replayed 3 of reason exhausted"); `None` for quota changes.
+    pub detail: Option<String>,
 }
 
 pub struct QuotaStore {
@@ -575,7 +578,10 @@ impl QuotaStore {
                     .and_then(|m| Settings::from_fields(&m).ok())
                     .unwrap_or_default()
             };
+            let detail = serde_json_map(&text("new"))
+                .and_then(|m| m.get("detail").or_else(|| m.get("cancelled")).cloned());
             out.push(AuditEntry {
+                detail,
                 at_ms: text("at_ms").parse().unwrap_or(0),
                 action: text("action"),
                 who: text("who"),
@@ -608,38 +614,80 @@ impl QuotaStore {
             ),
         };
         let mut conn = self.redis.conn().await?;
-        let (secs, micros): (i64, i64) = redis::cmd("TIME")
-            .query_async(&mut conn)
-            .await
-            .map_err(|e| self.redis.classify(e))?;
-        let new = format!("{{\"cancelled\":{}}}", json_string(&what));
-        redis::pipe()
-            .atomic()
+        let at_ms = self.now_ms(&mut conn).await?;
+        let mut pipe = redis::pipe();
+        pipe.atomic()
             .cmd("SET")
             .arg(&key)
             .arg(&actor.who)
             .arg("PX")
             .arg(ttl.as_millis() as u64)
-            .ignore()
-            .cmd("XADD")
+            .ignore();
+        let target = Target::Tenant(tenant.clone()).label();
+        let new = format!("{{\"cancelled\":{}}}", json_string(&what));
+        self.audit_entry(&mut pipe, &target, "cancel", actor, at_ms, &new);
+        pipe.query_async::<()>(&mut conn)
+            .await
+            .map_err(|e| self.redis.classify(e))
+    }
+
+    /// Audits an action that is not a quota change (a dead-letter replay or
+    /// purge): `target` is what it acted on (`dlq`), `detail` says what it did.
+    pub async fn record(
+        &self,
+        target: &str,
+        action: &str,
+        actor: &Actor,
+        detail: &str,
+    ) -> Result<(), QuotaError> {
+        let mut conn = self.redis.conn().await?;
+        let at_ms = self.now_ms(&mut conn).await?;
+        let mut pipe = redis::pipe();
+        let new = format!("{{\"detail\":{}}}", json_string(detail));
+        self.audit_entry(&mut pipe, target, action, actor, at_ms, &new);
+        pipe.query_async::<()>(&mut conn)
+            .await
+            .map_err(|e| self.redis.classify(e))
+    }
+
+    /// Redis's clock, in milliseconds (every pod agrees on it).
+    async fn now_ms(
+        &self,
+        conn: &mut redis::aio::MultiplexedConnection,
+    ) -> Result<i64, QuotaError> {
+        let (secs, micros): (i64, i64) = redis::cmd("TIME")
+            .query_async(conn)
+            .await
+            .map_err(|e| self.redis.classify(e))?;
+        Ok(secs * 1000 + micros / 1000)
+    }
+
+    /// Appends one audit entry to `pipe`.
+    fn audit_entry(
+        &self,
+        pipe: &mut redis::Pipeline,
+        target: &str,
+        action: &str,
+        actor: &Actor,
+        at_ms: i64,
+        new: &str,
+    ) {
+        pipe.cmd("XADD")
             .arg(self.keys.audit())
             .arg("MAXLEN")
             .arg("~")
             .arg(AUDIT_MAX_LEN)
             .arg("*")
             .arg(&[
-                ("target", Target::Tenant(tenant.clone()).label()),
-                ("action", "cancel".to_owned()),
-                ("who", actor.who.clone()),
-                ("source", actor.source.to_owned()),
-                ("at_ms", (secs * 1000 + micros / 1000).to_string()),
-                ("old", "{}".to_owned()),
+                ("target", target),
+                ("action", action),
+                ("who", &actor.who),
+                ("source", actor.source),
+                ("at_ms", &at_ms.to_string()),
+                ("old", "{}"),
                 ("new", new),
             ])
-            .ignore()
-            .query_async::<()>(&mut conn)
-            .await
-            .map_err(|e| self.redis.classify(e))
+            .ignore();
     }
 
     /// Deletes every key under this prefix (tests, demo, bench cleanup).

@@ -23,6 +23,8 @@ use tollgate_core::{IdempotencyKey, JobId, Kind, Quota, TenantId, UnixMillis};
 use tollgate_quota::{Actor, Cancel, Change, QuotaStore, Settings, Target};
 use tollgate_runtime::baseline::AdaptiveEntry;
 
+use crate::config::Config;
+
 use tollgate_core::Secret;
 
 /// Request bodies are tiny; anything larger is refused before parsing.
@@ -58,9 +60,9 @@ impl AdminToken {
 pub struct AdminState {
     pub store: Arc<QuotaStore>,
     pub token: Option<AdminToken>,
-    /// The config default, shown when no default is stored.
-    pub config_default: Quota,
-    pub cancel_ttl: Duration,
+    /// The default quota shown when none is stored, how long a cancel
+    /// lasts, and where the dead-letter queue is.
+    pub config: Arc<Config>,
 }
 
 pub fn router(state: AdminState) -> Router {
@@ -85,6 +87,9 @@ pub fn router(state: AdminState) -> Router {
         )
         .route("/v1/history", get(history))
         .route("/v1/cancel", post(cancel))
+        .route("/v1/dlq", get(dlq))
+        .route("/v1/dlq/replay", post(dlq_replay))
+        .route("/v1/dlq/purge", post(dlq_purge))
         .layer(middleware::from_fn_with_state(state.clone(), authorize))
         .layer(DefaultBodyLimit::max(BODY_LIMIT))
         .with_state(state)
@@ -359,7 +364,10 @@ async fn default_json(state: &AdminState) -> Result<serde_json::Value, ApiError>
             .and_then(|s| s.quota)
         {
             Some(q) => json!({ "quota": QuotaJson::from(q), "source": "stored" }),
-            None => json!({ "quota": QuotaJson::from(state.config_default), "source": "config" }),
+            None => {
+                let fallback = state.config.default_quota().map_err(bad_request)?;
+                json!({ "quota": QuotaJson::from(fallback), "source": "config" })
+            }
         },
     )
 }
@@ -547,6 +555,7 @@ async fn history(State(state): State<AdminState>, Query(q): Query<HistoryQuery>)
                 "source": e.source,
                 "old": settings_json(&e.old),
                 "new": settings_json(&e.new),
+                "detail": e.detail,
             })
         })
         .collect();
@@ -578,7 +587,12 @@ async fn cancel(
     };
     state
         .store
-        .cancel(&tenant, &by, state.cancel_ttl, &actor(&headers))
+        .cancel(
+            &tenant,
+            &by,
+            Duration::from_secs(state.config.cancel_ttl_s),
+            &actor(&headers),
+        )
         .await?;
     Ok((
         StatusCode::OK,
@@ -614,4 +628,133 @@ mod tests {
         assert!(!constant_time_eq(b"s3cret", b"s3cret!"));
         assert!(!constant_time_eq(b"", b"s3cret"));
     }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct DlqQuery {
+    limit: Option<usize>,
+    scan: Option<usize>,
+}
+
+/// The dead-letter queue as `tollgate dlq list` shows it (payloads left
+/// out: they may hold personal data).
+async fn dlq(State(state): State<AdminState>, Query(q): Query<DlqQuery>) -> ApiResult {
+    let summary = crate::cli::dlq_summary(&state.config, q.scan.unwrap_or(10_000).min(100_000))
+        .await
+        .map_err(unavailable)?;
+    let counts: Vec<_> = summary
+        .counts
+        .iter()
+        .map(|((reason, tenant), n)| json!({"reason": reason, "tenant": tenant, "count": n}))
+        .collect();
+    let newest: Vec<_> = summary
+        .newest
+        .iter()
+        .take(q.limit.unwrap_or(20).min(1000))
+        .map(|l| {
+            json!({
+                "dead_at": l.dead_at.map(|t| t.to_string()),
+                "reason": l.reason,
+                "tenant": l.tenant,
+                "job_id": l.job_id,
+                "detail": l.detail,
+            })
+        })
+        .collect();
+    Ok(Json(json!({
+        "queue": summary.queue,
+        "depth": summary.depth,
+        "counts": counts,
+        "newest": newest,
+    }))
+    .into_response())
+}
+
+fn unavailable(e: anyhow::Error) -> ApiError {
+    ApiError(StatusCode::SERVICE_UNAVAILABLE, format!("{e:#}"))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ReplayBody {
+    reason: Option<String>,
+    tenant: Option<String>,
+    limit: Option<usize>,
+}
+
+/// `tollgate dlq replay`: attempts start over, idempotency keys are kept.
+async fn dlq_replay(
+    State(state): State<AdminState>,
+    headers: HeaderMap,
+    Json(body): Json<ReplayBody>,
+) -> ApiResult {
+    let reason = body
+        .reason
+        .as_deref()
+        .map(crate::cli::dead_reason)
+        .transpose()
+        .map_err(|e| bad_request(format!("reason {e:#}")))?;
+    if let Some(t) = &body.tenant {
+        TenantId::parse(t).map_err(bad_request)?;
+    }
+    let (replayed, left, queue) = crate::cli::dlq_replay(
+        &state.config,
+        reason,
+        body.tenant.as_deref(),
+        body.limit.unwrap_or(usize::MAX),
+    )
+    .await
+    .map_err(unavailable)?;
+    let detail = format!(
+        "replayed {replayed} (reason {}, tenant {}); {left} left",
+        body.reason.as_deref().unwrap_or("any"),
+        body.tenant.as_deref().unwrap_or("any"),
+    );
+    state
+        .store
+        .record("dlq", "replay", &actor(&headers), &detail)
+        .await?;
+    Ok(Json(json!({"queue": queue, "replayed": replayed, "left": left})).into_response())
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PurgeBody {
+    /// The dead-letter queue's name, as the operator typed it to confirm.
+    confirm: String,
+}
+
+/// `tollgate dlq purge`: only when `confirm` names the queue.
+async fn dlq_purge(
+    State(state): State<AdminState>,
+    headers: HeaderMap,
+    Json(body): Json<PurgeBody>,
+) -> ApiResult {
+    let mut wrong = None;
+    let purged = crate::cli::dlq_purge(&state.config, |queue, depth| {
+        if body.confirm == queue {
+            Ok(true)
+        } else {
+            wrong = Some(format!(
+                "not confirmed: \"confirm\" must be the queue's name, {queue:?} ({depth} dead letters); nothing deleted"
+            ));
+            Ok(false)
+        }
+    })
+    .await;
+    if let Some(message) = wrong {
+        return Err(bad_request(message));
+    }
+    let purged = purged.map_err(unavailable)?;
+    state
+        .store
+        .record(
+            "dlq",
+            "purge",
+            &actor(&headers),
+            &format!("purged {purged}"),
+        )
+        .await?;
+    Ok(Json(json!({"purged": purged})).into_response())
 }

@@ -876,6 +876,90 @@ pub fn describe_dead_letter(delivery: &tollgate_amqp::lapin::message::Delivery) 
     }
 }
 
+/// The dead-letter queue at a glance: its depth, counts by (reason, tenant)
+/// over the first `scan` messages, and those messages newest first.
+pub struct DlqSummary {
+    pub queue: String,
+    pub depth: u32,
+    pub counts: std::collections::BTreeMap<(String, String), usize>,
+    pub newest: Vec<DeadLetter>,
+}
+
+/// Reads the dead-letter queue without taking anything out of it.
+pub async fn dlq_summary(config: &Config, scan: usize) -> anyhow::Result<DlqSummary> {
+    let broker = connect_broker(config, "dlq").await?;
+    let queue = broker.topology().dead_queue();
+    let depth = broker.queue_depth(&queue).await?;
+    let mut newest: Vec<DeadLetter> = broker
+        .peek_dead_letters(scan)
+        .await?
+        .iter()
+        .map(describe_dead_letter)
+        .collect();
+    broker.close().await;
+    let mut counts = std::collections::BTreeMap::<(String, String), usize>::new();
+    for l in &newest {
+        *counts
+            .entry((l.reason.clone(), l.tenant.clone()))
+            .or_default() += 1;
+    }
+    newest.sort_by_key(|l| std::cmp::Reverse(l.dead_at));
+    Ok(DlqSummary {
+        queue,
+        depth,
+        counts,
+        newest,
+    })
+}
+
+/// Sends the dead letters matching `reason` and `tenant` (at most `limit`)
+/// back to be processed again. Returns (replayed, left in the queue, the
+/// queue).
+pub async fn dlq_replay(
+    config: &Config,
+    reason: Option<DeadReason>,
+    tenant: Option<&str>,
+    limit: usize,
+) -> anyhow::Result<(usize, usize, String)> {
+    let broker = connect_broker(config, "dlq").await?;
+    let select = |d: &tollgate_amqp::lapin::message::Delivery| {
+        let letter = describe_dead_letter(d);
+        reason.is_none_or(|r| r.as_str() == letter.reason)
+            && tenant.is_none_or(|t| t == letter.tenant)
+    };
+    let replayed = broker.replay_dead_letters(select, limit).await;
+    broker.close().await;
+    let (replayed, left) = replayed?;
+    Ok((replayed, left, broker.topology().dead_queue()))
+}
+
+/// A dead-letter reason as an operator typed it, or why it is not one.
+pub fn dead_reason(r: &str) -> anyhow::Result<DeadReason> {
+    DeadReason::parse(r).with_context(|| {
+        format!("{r:?} is not one of malformed, expired, rejected, exhausted, poison")
+    })
+}
+
+/// Deletes every dead letter once `confirm` names the dead-letter queue (as
+/// an operator types it); returns how many went.
+pub async fn dlq_purge(
+    config: &Config,
+    confirm: impl FnOnce(&str, u32) -> anyhow::Result<bool>,
+) -> anyhow::Result<u32> {
+    let broker = connect_broker(config, "dlq").await?;
+    let queue = broker.topology().dead_queue();
+    let depth = broker.queue_depth(&queue).await?;
+    let confirmed = confirm(&queue, depth);
+    if !matches!(confirmed, Ok(true)) {
+        broker.close().await;
+        confirmed?;
+        bail!("not confirmed; nothing deleted");
+    }
+    let purged = broker.purge(&queue).await;
+    broker.close().await;
+    Ok(purged?)
+}
+
 pub async fn dlq(config: &Config, command: &DlqCommand) -> anyhow::Result<()> {
     match command {
         DlqCommand::List {
@@ -883,34 +967,18 @@ pub async fn dlq(config: &Config, command: &DlqCommand) -> anyhow::Result<()> {
             scan,
             show_payload,
         } => {
-            let broker = connect_broker(config, "dlq").await?;
-            let queue = broker.topology().dead_queue();
-            let depth = broker.queue_depth(&queue).await?;
-            let mut letters: Vec<DeadLetter> = broker
-                .peek_dead_letters(*scan)
-                .await?
-                .iter()
-                .map(describe_dead_letter)
-                .collect();
-            broker.close().await;
-            println!("{queue}: {depth} dead letter(s)");
-            let mut counts = std::collections::BTreeMap::<(String, String), usize>::new();
-            for l in &letters {
-                *counts
-                    .entry((l.reason.clone(), l.tenant.clone()))
-                    .or_default() += 1;
-            }
-            if !counts.is_empty() {
+            let summary = dlq_summary(config, *scan).await?;
+            println!("{}: {} dead letter(s)", summary.queue, summary.depth);
+            if !summary.counts.is_empty() {
                 println!("\n{:<12} {:<32} {:>8}", "REASON", "TENANT", "COUNT");
-                for ((reason, tenant), n) in &counts {
+                for ((reason, tenant), n) in &summary.counts {
                     println!("{reason:<12} {tenant:<32} {n:>8}");
                 }
             }
-            letters.sort_by_key(|l| std::cmp::Reverse(l.dead_at));
-            if !letters.is_empty() {
-                println!("\nnewest {}:", limit.min(&letters.len()));
+            if !summary.newest.is_empty() {
+                println!("\nnewest {}:", limit.min(&summary.newest.len()));
             }
-            for l in letters.iter().take(*limit) {
+            for l in summary.newest.iter().take(*limit) {
                 println!(
                     "{}  {:<10} {:<20} {:<40} {}",
                     l.dead_at
@@ -931,44 +999,29 @@ pub async fn dlq(config: &Config, command: &DlqCommand) -> anyhow::Result<()> {
             tenant,
             limit,
         } => {
-            if let Some(r) = reason
-                && DeadReason::parse(r).is_none()
-            {
-                bail!(
-                    "--reason {r:?} is not one of malformed, expired, rejected, exhausted, poison"
-                );
-            }
-            let broker = connect_broker(config, "dlq").await?;
-            let select = |d: &tollgate_amqp::lapin::message::Delivery| {
-                let letter = describe_dead_letter(d);
-                reason.as_ref().is_none_or(|r| *r == letter.reason)
-                    && tenant.as_ref().is_none_or(|t| *t == letter.tenant)
-            };
-            let (replayed, left) = broker.replay_dead_letters(select, *limit).await?;
-            broker.close().await;
-            println!(
-                "replayed {replayed} dead letter(s); {left} left in {}",
-                broker.topology().dead_queue()
-            );
+            let reason = reason
+                .as_deref()
+                .map(dead_reason)
+                .transpose()
+                .map_err(|e| anyhow::anyhow!("--reason {e:#}"))?;
+            let (replayed, left, queue) =
+                dlq_replay(config, reason, tenant.as_deref(), *limit).await?;
+            println!("replayed {replayed} dead letter(s); {left} left in {queue}");
         }
         DlqCommand::Purge { yes } => {
-            let broker = connect_broker(config, "dlq").await?;
-            let queue = broker.topology().dead_queue();
-            let depth = broker.queue_depth(&queue).await?;
-            if !yes
-                && !confirm(
-                    &format!(
-                        "delete {depth} dead letter(s) from {queue}? type the queue name to confirm: "
-                    ),
-                    &queue,
-                )?
-            {
-                broker.close().await;
-                bail!("not confirmed; nothing deleted");
-            }
-            let purged = broker.purge(&queue).await?;
-            broker.close().await;
-            println!("purged {purged} dead letter(s) from {queue}");
+            let mut queue_name = String::new();
+            let purged = dlq_purge(config, |queue, depth| {
+                queue_name = queue.to_owned();
+                Ok(*yes
+                    || confirm(
+                        &format!(
+                            "delete {depth} dead letter(s) from {queue}? type the queue name to confirm: "
+                        ),
+                        queue,
+                    )?)
+            })
+            .await?;
+            println!("purged {purged} dead letter(s) from {queue_name}");
         }
     }
     Ok(())

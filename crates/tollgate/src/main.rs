@@ -71,8 +71,7 @@ async fn worker(config: Config) -> anyhow::Result<()> {
     let admin = tollgate::admin::AdminState {
         store: Arc::new(tollgate::cli::quota_store(&config)?),
         token: config.admin_token()?,
-        config_default: config.default_quota()?,
-        cancel_ttl: std::time::Duration::from_secs(config.cancel_ttl_s),
+        config: Arc::new(config.clone()),
     };
     if admin.token.is_none() {
         tracing::warn!(

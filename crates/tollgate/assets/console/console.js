@@ -116,6 +116,7 @@
     view.timer = null;
     show("whoami", false);
     show("tenants", false);
+    show("dlq", false);
     show("tenant", false);
     show("login", true);
     say("login-error", reason || "");
@@ -126,6 +127,7 @@
     show("login", false);
     show("whoami", true);
     show("tenants", true);
+    show("dlq", true);
     refresh();
     view.timer = setInterval(refresh, POLL_MS);
   }
@@ -245,8 +247,8 @@
         row.appendChild(el("td", h.at));
         row.appendChild(el("td", h.action));
         row.appendChild(el("td", h.who));
-        row.appendChild(el("td", quotaText(h.old)));
-        row.appendChild(el("td", quotaText(h.new)));
+        row.appendChild(el("td", h.detail ? "" : quotaText(h.old)));
+        row.appendChild(el("td", h.detail || quotaText(h.new)));
         return row;
       })
     );
@@ -294,6 +296,100 @@
     await refresh();
   }
 
+  async function shadow(event) {
+    event.preventDefault();
+    say("action-error", "");
+    try {
+      await api("PUT", "/v1/tenants/" + encodeURIComponent(view.tenant) + "/shadow", {
+        rate: $("shadow-rate").value.trim(),
+      });
+    } catch (e) {
+      say("action-error", e.message);
+      return;
+    }
+    await refresh();
+  }
+
+  async function cancelJob(event) {
+    event.preventDefault();
+    say("action-error", "");
+    say("cancel-ok", "");
+    const job = $("cancel-job").value.trim();
+    try {
+      await api("POST", "/v1/cancel", { tenant: view.tenant, job_id: job });
+    } catch (e) {
+      say("action-error", e.message);
+      return;
+    }
+    say("cancel-ok", "Cancelled: job " + job + " is skipped when its turn comes.");
+    await refresh();
+  }
+
+  // ---- dead letters --------------------------------------------------------
+
+  // Errors of the action that led here stay on screen; a failed read adds its own.
+  async function loadDlq() {
+    let summary;
+    try {
+      summary = await api("GET", "/v1/dlq?limit=20");
+    } catch (e) {
+      say("dlq-error", e.message);
+      return;
+    }
+    $("dlq-queue").textContent = summary.queue;
+    $("dlq-depth").textContent = summary.depth + " dead letter(s) in " + summary.queue;
+    $("dlq-counts").tBodies[0].replaceChildren(
+      ...summary.counts.map((c) => {
+        const row = el("tr");
+        row.appendChild(el("td", c.reason));
+        row.appendChild(el("td", c.tenant));
+        row.appendChild(el("td", c.count));
+        const cell = el("td");
+        const replay = el("button", "Replay these");
+        replay.type = "button";
+        replay.addEventListener("click", () => replayDlq({ reason: c.reason, tenant: c.tenant }));
+        cell.appendChild(replay);
+        row.appendChild(cell);
+        return row;
+      })
+    );
+    $("dlq-newest").tBodies[0].replaceChildren(
+      ...summary.newest.map((l) => {
+        const row = el("tr");
+        for (const value of [l.dead_at || "?", l.reason, l.tenant, l.job_id, l.detail]) {
+          row.appendChild(el("td", value));
+        }
+        return row;
+      })
+    );
+  }
+
+  async function replayDlq(filter) {
+    say("dlq-ok", "");
+    say("dlq-error", "");
+    try {
+      const done = await api("POST", "/v1/dlq/replay", filter);
+      say("dlq-ok", "Replayed " + done.replayed + "; " + done.left + " left.");
+    } catch (e) {
+      say("dlq-error", e.message);
+    }
+    await loadDlq();
+  }
+
+  async function purgeDlq() {
+    say("dlq-ok", "");
+    say("dlq-error", "");
+    try {
+      const done = await api("POST", "/v1/dlq/purge", { confirm: $("dlq-confirm-name").value.trim() });
+      say("dlq-ok", "Purged " + done.purged + ".");
+      show("dlq-confirm", false);
+    } catch (e) {
+      say("dlq-error", e.message);
+    }
+    $("dlq-confirm-name").value = "";
+    await loadDlq();
+  }
+
   // ---- wiring --------------------------------------------------------------
 
   function fromHash() {
@@ -331,6 +427,20 @@
       show("confirm-delete", false);
       await act("DELETE", "/quota");
     });
+    $("shadow-form").addEventListener("submit", shadow);
+    $("shadow-clear").addEventListener("click", () => act("DELETE", "/shadow"));
+    $("cancel-form").addEventListener("submit", cancelJob);
+    $("dlq-refresh").addEventListener("click", () => {
+      say("dlq-error", "");
+      loadDlq();
+    });
+    $("dlq-replay-all").addEventListener("click", () => replayDlq({}));
+    $("dlq-purge").addEventListener("click", async () => {
+      await loadDlq();
+      show("dlq-confirm", true);
+    });
+    $("dlq-confirm-no").addEventListener("click", () => show("dlq-confirm", false));
+    $("dlq-confirm-yes").addEventListener("click", purgeDlq);
     window.addEventListener("hashchange", fromHash);
     if (store.getItem("tollgate.token")) {
       enter();
