@@ -11,7 +11,7 @@ use base64::Engine;
 use serde_json::{Value, json};
 use tollgate_core::Quota;
 use tollgate_quota::{Actor, Change, Target};
-use tollgate_tests::{TestEnv, free_port, wait_for};
+use tollgate_tests::{FakeProvider, TestEnv, fake_provider, free_port, wait_for};
 
 const TOKEN: &str = "console-test-token-0123456789";
 /// How long the page gets to show what a step waits for.
@@ -231,7 +231,10 @@ impl Browser {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_operator_signs_in_sees_a_tenant_and_changes_its_quota() {
-    let env = TestEnv::new("http://127.0.0.1:9/unused").await;
+    let provider = FakeProvider::start(fake_provider::always_ok())
+        .await
+        .unwrap();
+    let env = TestEnv::new(&provider.url()).await;
     let acme = Target::Tenant(TestEnv::tenant("acme"));
     let setup = Actor {
         who: "test".into(),
@@ -249,6 +252,14 @@ async fn an_operator_signs_in_sees_a_tenant_and_changes_its_quota() {
             .await
             .unwrap();
     }
+    // Traffic: acme has a backlog at 5/s, so it sends and has jobs in line.
+    let worker = env.spawn_worker().await;
+    env.publish("acme", 40, |_| {}).await;
+    wait_for("acme's first sends", PATIENCE, || async {
+        provider.received().len() >= 5
+    })
+    .await;
+
     let addr = env.serve_admin(TOKEN).await;
     let browser = Browser::start().await;
     browser.goto(&format!("http://{addr}/console/")).await;
@@ -282,6 +293,21 @@ async fn an_operator_signs_in_sees_a_tenant_and_changes_its_quota() {
     assert!(!browser.text("#tenant-table tbody").await.contains("acme"));
     browser.fill("#search", "").await;
     browser.until_text("#page-info", "1–2 of 2").await;
+    // acme is sending and waiting for its quota; the fleet-wide figures say so.
+    let row = browser
+        .until_text("#tenant-table tbody tr:first-child", "quota: ")
+        .await;
+    assert!(row.contains("job(s) in line"), "{row}");
+    let sent = env.activity("acme").await;
+    assert!(sent.sent_per_s_10s > 0.0 && sent.queued > 0, "{sent:?}");
+    browser.click("#sort option[value=behind]").await;
+    let first = browser
+        .until_text("#tenant-table tbody tr:first-child", "acme")
+        .await;
+    assert!(
+        first.contains("in line"),
+        "the tenant most behind comes first: {first}"
+    );
     browser.screenshot("tenants").await;
 
     // Open acme, change its quota through the form.
@@ -320,6 +346,7 @@ async fn an_operator_signs_in_sees_a_tenant_and_changes_its_quota() {
     assert!(env.quotas.get(&acme).await.unwrap().unwrap().paused);
 
     browser.quit().await;
+    worker.stop().await.unwrap();
     env.cleanup().await;
 }
 

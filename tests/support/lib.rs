@@ -244,6 +244,15 @@ impl TestEnv {
             .expect("RabbitMQ is back");
     }
 
+    /// What `tenant` is doing fleet-wide, as the console shows it.
+    pub async fn activity(&self, tenant: &str) -> tollgate_quota::Activity {
+        self.quotas
+            .activity(&[Self::tenant(tenant)])
+            .await
+            .expect("redis answers")
+            .remove(0)
+    }
+
     /// The admin API's state for this installation, behind `token`.
     pub fn admin_state(&self, token: &str) -> tollgate::admin::AdminState {
         tollgate::admin::AdminState {

@@ -81,6 +81,12 @@ impl Keys {
         self.tenant_key("adapt", tenant)
     }
 
+    /// What the tenant's sends came to, fleet-wide, in 10 s buckets over
+    /// the last 5 minutes (`complete.lua`), for the console.
+    pub fn stats(&self, tenant: &TenantId) -> String {
+        self.tenant_key("stats", tenant)
+    }
+
     pub fn shadow_tat(&self, tenant: &TenantId) -> String {
         self.tenant_key("shadow-tat", tenant)
     }

@@ -18,11 +18,13 @@ macro_rules! lua {
     };
 }
 
+mod activity;
 mod conn;
 mod keys;
 mod permit;
 mod store;
 
+pub use activity::Activity;
 pub use conn::{Redis, RedisSettings};
 pub use keys::Keys;
 pub use permit::{PermitSettings, RedisPermits, Reply, SharePlaces};

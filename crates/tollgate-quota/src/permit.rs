@@ -629,6 +629,7 @@ impl RedisPermits {
             self.keys.route_quota(req.route),
             self.keys.route_adapt(req.route),
             self.keys.audit(),
+            self.keys.stats(req.tenant),
         ];
         let args = vec![
             req.lease_token.to_owned(),

@@ -313,8 +313,8 @@ pub struct AuditEntry {
 }
 
 pub struct QuotaStore {
-    redis: Arc<Redis>,
-    keys: Keys,
+    pub(crate) redis: Arc<Redis>,
+    pub(crate) keys: Keys,
     change: Script,
 }
 
@@ -505,30 +505,16 @@ impl QuotaStore {
         Ok(out)
     }
 
-    /// One page of the tenants with a stored quota whose names start with
-    /// `prefix`, sorted by name, and how many match in all. Only the page's
-    /// quotas are read, so a console over 10,000 tenants costs one set read
-    /// and `limit` quota reads per refresh.
-    pub async fn tenant_page(
-        &self,
-        prefix: &str,
-        offset: usize,
-        limit: usize,
-    ) -> Result<(usize, Vec<(TenantId, Settings)>), QuotaError> {
-        let names: Vec<TenantId> = self
+    /// The tenants with a stored quota whose names start with `prefix`,
+    /// sorted by name (one set read).
+    pub async fn tenant_names(&self, prefix: &str) -> Result<Vec<TenantId>, QuotaError> {
+        Ok(self
             .members(&self.keys.tenants())
             .await?
             .into_iter()
             .filter(|n| n.starts_with(prefix))
             .filter_map(|n| TenantId::parse(n).ok())
-            .collect();
-        let mut page = Vec::with_capacity(limit.min(names.len()));
-        for tenant in names.iter().skip(offset).take(limit) {
-            if let Some(s) = self.get(&Target::Tenant(tenant.clone())).await? {
-                page.push((tenant.clone(), s));
-            }
-        }
-        Ok((names.len(), page))
+            .collect())
     }
 
     /// Every route with a stored shared quota, sorted.

@@ -331,20 +331,60 @@ struct PageQuery {
     #[serde(default)]
     offset: usize,
     limit: Option<usize>,
+    /// `name` (the default) or `behind`: the tenants whose line of waiting
+    /// jobs reaches furthest ahead first, then those a Retry-After holds.
+    sort: Option<String>,
 }
 
-/// The console's tenant list: one page, by name, filtered by prefix.
+/// The console's tenant list: one page of the tenants with a stored quota,
+/// by name or most behind first, filtered by prefix, each with what it is
+/// doing fleet-wide ([`tollgate_quota::Activity`]) and why it waits.
 async fn tenant_page(State(state): State<AdminState>, Query(q): Query<PageQuery>) -> ApiResult {
     let limit = q.limit.unwrap_or(50).clamp(1, 500);
-    let (total, page) = state.store.tenant_page(&q.prefix, q.offset, limit).await?;
-    let tenants: Vec<_> = page
-        .iter()
-        .map(|(t, s)| {
-            let mut row = settings_json(s);
-            row["tenant"] = t.to_string().into();
-            row
-        })
-        .collect();
+    let mut names = state.store.tenant_names(&q.prefix).await?;
+    let total = names.len();
+    let mut activity = match q.sort.as_deref().unwrap_or("name") {
+        "name" => {
+            names = names.into_iter().skip(q.offset).take(limit).collect();
+            state.store.activity(&names).await?
+        }
+        "behind" => {
+            // Every matching tenant's activity, in one round trip, to sort.
+            let all = state.store.activity(&names).await?;
+            let mut rows: Vec<_> = names.into_iter().zip(all).collect();
+            rows.sort_by(|(a_name, a), (b_name, b)| {
+                b.queued_for_s
+                    .total_cmp(&a.queued_for_s)
+                    .then(b.retry_after_s.total_cmp(&a.retry_after_s))
+                    .then(a_name.cmp(b_name))
+            });
+            let (page_names, page): (Vec<_>, Vec<_>) =
+                rows.into_iter().skip(q.offset).take(limit).unzip();
+            names = page_names;
+            page
+        }
+        other => return Err(bad_request(format!("sort {other:?} is not name or behind"))),
+    };
+    let mut tenants = Vec::with_capacity(names.len());
+    for (name, activity) in names.iter().zip(activity.drain(..)) {
+        let Some(settings) = state.store.get(&Target::Tenant(name.clone())).await? else {
+            continue;
+        };
+        let mut row = settings_json(&settings);
+        row["tenant"] = name.to_string().into();
+        row["waiting"] = activity.why_waiting(&settings).into();
+        row["activity"] = json!({
+            "sent_per_s_10s": activity.sent_per_s_10s,
+            "sent_per_s_5m": activity.sent_per_s_5m,
+            "throttled_5m": activity.throttled_5m,
+            "failed_5m": activity.failed_5m,
+            "in_flight": activity.in_flight,
+            "queued": activity.queued,
+            "queued_for_s": activity.queued_for_s,
+            "retry_after_s": activity.retry_after_s,
+        });
+        tenants.push(row);
+    }
     Ok(Json(json!({
         "total": total,
         "offset": q.offset,

@@ -8,9 +8,12 @@
 -- account-wide or the tenant's does not adapt), a send counts for both.
 -- Called from `batch.lua`.
 --
--- Keys (10): sent record, lease, tenant in-flight zset, tenant penalty,
+-- Every outcome is also counted in the tenant's stats (a ring of 10 s
+-- buckets over 5 minutes, for the console; see `STATS_*` below).
+--
+-- Keys (11): sent record, lease, tenant in-flight zset, tenant penalty,
 -- route penalty, tenant quota, tenant adapt, route quota, route adapt,
--- audit stream.
+-- audit stream, tenant stats.
 -- Arguments (10): lease token, '1' if sent, record ttl ms, job id,
 -- penalty microseconds ('0' = none, else a 429), "now" override in
 -- microseconds (tests only; "" = Redis TIME), whom the penalty pauses
@@ -18,6 +21,24 @@
 -- audit stream's max length.
 -- Reply: {1, tenant's effective rate, route's effective rate}, in
 -- thousandths per second, -1 where the quota does not adapt.
+
+-- The stats ring: bucket b (10 s of Redis time) lives in slot b % 32 as
+-- fields `b<slot>` (which bucket it holds), `s<slot>` sends, `t<slot>` 429s,
+-- `f<slot>` other failures. A slot still holding an older bucket is reset
+-- before it counts, so the hash never grows past 128 fields; it expires
+-- 10 minutes after the tenant's last outcome.
+local STATS_BUCKET_S, STATS_SLOTS, STATS_TTL_S = 10, 32, 600
+
+local function count_outcome(stats_key, outcome, now)
+  local bucket = math.floor(now / 1e6 / STATS_BUCKET_S)
+  local slot = tostring(bucket % STATS_SLOTS)
+  local held = tonumber(redis.call('HGET', stats_key, 'b' .. slot))
+  if held ~= bucket then
+    redis.call('HSET', stats_key, 'b' .. slot, bucket, 's' .. slot, 0, 't' .. slot, 0, 'f' .. slot, 0)
+  end
+  redis.call('HINCRBY', stats_key, outcome .. slot, 1)
+  redis.call('EXPIRE', stats_key, STATS_TTL_S)
+end
 
 local function complete(k, a)
   if a[2] == '1' then
@@ -52,5 +73,8 @@ local function complete(k, a)
     tenant_rate = adapt_learn(k[6], k[7], 'sent', a[6], k[10], a[8], a[10])
     route_rate = adapt_learn(k[8], k[9], 'sent', a[6], k[10], a[9], a[10])
   end
+  local outcome = 'f'
+  if penalty > 0 then outcome = 't' elseif a[2] == '1' then outcome = 's' end
+  count_outcome(k[11], outcome, now_us(a[6]))
   return {1, tenant_rate, route_rate}
 end

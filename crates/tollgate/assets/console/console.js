@@ -12,7 +12,7 @@
   const store = window.sessionStorage;
   const $ = (id) => document.getElementById(id);
 
-  const view = { offset: 0, prefix: "", tenant: null, timer: null };
+  const view = { offset: 0, prefix: "", sort: "name", tenant: null, timer: null };
 
   // ---- talking to the admin API -------------------------------------------
 
@@ -148,6 +148,7 @@
   async function loadList() {
     const query = new URLSearchParams({
       prefix: view.prefix,
+      sort: view.sort,
       offset: String(view.offset),
       limit: String(PAGE),
     });
@@ -161,10 +162,14 @@
       link.href = "#tenant=" + encodeURIComponent(t.tenant);
       name.appendChild(link);
       row.appendChild(name);
-      row.appendChild(el("td", quotaText(t)));
+      const a = t.activity;
+      row.appendChild(el("td", quotaText(t) + (t.concurrency == null ? "" : ", " + t.concurrency + " at once")));
       row.appendChild(el("td", effectiveText(t)));
-      row.appendChild(el("td", t.concurrency == null ? "" : t.concurrency));
-      row.appendChild(el("td", t.weight));
+      row.appendChild(el("td", a.sent_per_s_10s.toFixed(1) + " · " + a.sent_per_s_5m.toFixed(2)));
+      row.appendChild(el("td", a.throttled_5m + " · " + a.failed_5m));
+      row.appendChild(el("td", a.in_flight));
+      row.appendChild(el("td", a.queued ? a.queued + " (" + a.queued_for_s.toFixed(1) + " s)" : "0"));
+      row.appendChild(el("td", t.waiting, "why"));
       row.appendChild(stateTags(t));
       row.appendChild(el("td", t.updated_by || ""));
       return row;
@@ -408,6 +413,11 @@
     };
     $("search").addEventListener("input", search);
     $("search").addEventListener("change", search);
+    $("sort").addEventListener("change", () => {
+      view.sort = $("sort").value;
+      view.offset = 0;
+      refresh();
+    });
     $("prev").addEventListener("click", () => {
       view.offset = Math.max(0, view.offset - PAGE);
       refresh();

@@ -1,0 +1,223 @@
+//! What each tenant is doing, fleet-wide, for the console: its sends, 429s
+//! and failures over the last 10 s and 5 minutes (the stats ring that
+//! `complete.lua` keeps), what is in flight, how many jobs wait in its
+//! lines for its quota, and whether a 429's Retry-After holds it. Read only
+//! when someone looks: a handful of commands per tenant, in one pipeline.
+
+use redis::Value;
+use tollgate_core::TenantId;
+
+use crate::{QuotaError, QuotaStore, Settings};
+
+/// The stats ring's shape; `complete.lua` writes it the same way.
+const BUCKET_S: i64 = 10;
+const SLOTS: i64 = 32;
+
+/// One tenant's recent traffic and waits, fleet-wide.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Activity {
+    /// Sends per second over the last 10 s and the last 5 minutes.
+    pub sent_per_s_10s: f64,
+    pub sent_per_s_5m: f64,
+    /// 429s and other failed calls in the last 5 minutes.
+    pub throttled_5m: u64,
+    pub failed_5m: u64,
+    /// Permits taken and not yet completed (leases still live).
+    pub in_flight: u64,
+    /// Jobs holding a place in the tenant's lines (about: places handed
+    /// out ahead of now), and how far ahead the last place is.
+    pub queued: u64,
+    pub queued_for_s: f64,
+    /// Seconds a provider's Retry-After still holds the tenant (0 = none).
+    pub retry_after_s: f64,
+}
+
+impl Activity {
+    /// Why the tenant's jobs are waiting right now, the first that applies:
+    /// paused, a provider's Retry-After, its concurrency limit, its quota
+    /// (jobs in line), or nothing holds them. Failures the provider answered
+    /// recently are added, as they slow a tenant without holding it.
+    pub fn why_waiting(&self, settings: &Settings) -> String {
+        let held = if settings.paused {
+            "paused".to_owned()
+        } else if self.retry_after_s > 0.0 {
+            format!("provider's Retry-After, {:.1} s more", self.retry_after_s)
+        } else if settings
+            .concurrency
+            .is_some_and(|limit| self.in_flight >= u64::from(limit))
+        {
+            format!("at its concurrency limit ({} in flight)", self.in_flight)
+        } else if self.queued > 0 {
+            format!(
+                "quota: {} job(s) in line, the last {:.1} s ahead",
+                self.queued, self.queued_for_s
+            )
+        } else {
+            "not waiting".to_owned()
+        };
+        match (self.throttled_5m, self.failed_5m) {
+            (0, 0) => held,
+            (t, f) => {
+                format!("{held}; provider answered {t} × 429 and {f} other failure(s) in 5 min")
+            }
+        }
+    }
+}
+
+/// Counts of one kind (`s`, `t`, `f`) in the ring `fields`, over the
+/// buckets from `now_s - window_s` to now; the oldest bucket counts in
+/// proportion to how much of it is inside the window.
+pub(crate) fn ring_sum(fields: &[(String, i64)], kind: &str, now_s: f64, window_s: f64) -> f64 {
+    let field = |name: String| fields.iter().find(|(f, _)| *f == name).map(|&(_, v)| v);
+    let current = (now_s / BUCKET_S as f64).floor() as i64;
+    let from = now_s - window_s;
+    let mut total = 0.0;
+    for bucket in (current - SLOTS + 1)..=current {
+        let start = (bucket * BUCKET_S) as f64;
+        let end = start + BUCKET_S as f64;
+        if end <= from {
+            continue;
+        }
+        let slot = bucket.rem_euclid(SLOTS);
+        if field(format!("b{slot}")) != Some(bucket) {
+            continue;
+        }
+        let share = ((end - from) / BUCKET_S as f64).clamp(0.0, 1.0);
+        total += field(format!("{kind}{slot}")).unwrap_or(0) as f64 * share;
+    }
+    total
+}
+
+impl QuotaStore {
+    /// [`Activity`] for each of `tenants`, in order, in one round trip.
+    pub async fn activity(&self, tenants: &[TenantId]) -> Result<Vec<Activity>, QuotaError> {
+        if tenants.is_empty() {
+            return Ok(vec![]);
+        }
+        let mut conn = self.redis.conn().await?;
+        let mut pipe = redis::pipe();
+        pipe.cmd("TIME");
+        for t in tenants {
+            pipe.cmd("HGETALL").arg(self.keys.stats(t));
+            pipe.cmd("ZCARD").arg(self.keys.in_flight(t));
+            pipe.cmd("GET").arg(self.keys.penalty(t));
+            for line in [
+                self.keys.waiting(t),
+                self.keys.waiting_high(t),
+                self.keys.waiting_low(t),
+            ] {
+                pipe.cmd("HMGET").arg(line).arg("at").arg("iv");
+            }
+        }
+        let replies: Vec<Value> = pipe
+            .query_async(&mut conn)
+            .await
+            .map_err(|e| self.redis.classify(e))?;
+        let got = replies.len();
+        let bad = || QuotaError::BadReply(format!("activity: {got} replies"));
+        let mut replies = replies.into_iter();
+        let (secs, micros): (i64, i64) =
+            redis::from_redis_value(replies.next().ok_or_else(bad)?).map_err(|_| bad())?;
+        let now_us = secs as f64 * 1e6 + micros as f64;
+        let now_s = now_us / 1e6;
+        let mut out = Vec::with_capacity(tenants.len());
+        for _ in tenants {
+            let mut next = || replies.next().ok_or_else(bad);
+            let stats: Vec<(String, i64)> = redis::from_redis_value(next()?).unwrap_or_default();
+            let in_flight: u64 = redis::from_redis_value(next()?).unwrap_or(0);
+            let penalty: Option<f64> = redis::from_redis_value(next()?).unwrap_or(None);
+            let mut queued = 0.0;
+            let mut last = now_us;
+            for _ in 0..3 {
+                let line: (Option<f64>, Option<f64>) =
+                    redis::from_redis_value(next()?).unwrap_or((None, None));
+                if let (Some(at), Some(iv)) = line
+                    && at > now_us
+                    && iv > 0.0
+                {
+                    queued += ((at - now_us) / iv).floor();
+                    last = last.max(at);
+                }
+            }
+            out.push(Activity {
+                sent_per_s_10s: ring_sum(&stats, "s", now_s, 10.0) / 10.0,
+                sent_per_s_5m: ring_sum(&stats, "s", now_s, 300.0) / 300.0,
+                throttled_5m: ring_sum(&stats, "t", now_s, 300.0).round() as u64,
+                failed_5m: ring_sum(&stats, "f", now_s, 300.0).round() as u64,
+                in_flight,
+                queued: queued as u64,
+                queued_for_s: (last - now_us) / 1e6,
+                retry_after_s: penalty.map_or(0.0, |p| ((p - now_us) / 1e6).max(0.0)),
+            });
+        }
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ring(entries: &[(i64, i64)]) -> Vec<(String, i64)> {
+        entries
+            .iter()
+            .flat_map(|&(bucket, sent)| {
+                let slot = bucket.rem_euclid(SLOTS);
+                [(format!("b{slot}"), bucket), (format!("s{slot}"), sent)]
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_window_counts_its_buckets_and_part_of_the_oldest() {
+        // Now is 5 s into bucket 100: the last 10 s are all of bucket 100
+        // so far and the second half of bucket 99.
+        let fields = ring(&[(98, 7), (99, 10), (100, 4)]);
+        assert_eq!(ring_sum(&fields, "s", 1005.0, 10.0), 4.0 + 5.0);
+        assert_eq!(ring_sum(&fields, "s", 1005.0, 300.0), 21.0);
+    }
+
+    #[test]
+    fn a_slot_holding_an_older_bucket_counts_nothing() {
+        // Slot 100 % 32 = 4 still holds bucket 68 (5 minutes ago and more).
+        let fields = ring(&[(68, 50), (99, 3)]);
+        assert_eq!(ring_sum(&fields, "s", 1005.0, 300.0), 3.0);
+    }
+
+    #[test]
+    fn the_first_reason_that_holds_a_tenant_is_the_one_shown() {
+        let mut s = Settings {
+            concurrency: Some(2),
+            ..Settings::default()
+        };
+        let mut a = Activity {
+            in_flight: 2,
+            queued: 30,
+            queued_for_s: 3.0,
+            ..Activity::default()
+        };
+        assert_eq!(a.why_waiting(&s), "at its concurrency limit (2 in flight)");
+        a.retry_after_s = 0.5;
+        assert_eq!(a.why_waiting(&s), "provider's Retry-After, 0.5 s more");
+        s.paused = true;
+        assert_eq!(a.why_waiting(&s), "paused");
+        s.paused = false;
+        a.retry_after_s = 0.0;
+        a.in_flight = 1;
+        assert_eq!(
+            a.why_waiting(&s),
+            "quota: 30 job(s) in line, the last 3.0 s ahead"
+        );
+        a.queued = 0;
+        a.failed_5m = 4;
+        assert_eq!(
+            a.why_waiting(&s),
+            "not waiting; provider answered 0 × 429 and 4 other failure(s) in 5 min"
+        );
+    }
+
+    #[test]
+    fn an_empty_ring_is_no_traffic() {
+        assert_eq!(ring_sum(&[], "s", 1005.0, 10.0), 0.0);
+    }
+}
