@@ -100,7 +100,7 @@ fn throttled(scope: ThrottleScope) -> Option<Penalty> {
 /// A 429 (Retry-After 1 s) on `job`'s call at `now`: what was learned.
 async fn throttle(permits: &RedisPermits, job: &Job, scope: ThrottleScope, now: u64) -> Learned {
     permits
-        .record(job.request(), false, throttled(scope), Some(now))
+        .record(job.request(), false, throttled(scope), None, Some(now))
         .await
         .unwrap()
 }
@@ -138,7 +138,7 @@ proptest! {
             for (is_429, gap) in events {
                 now += gap;
                 let penalty = if is_429 { throttled(ThrottleScope::Tenant) } else { None };
-                let learned = permits.record(job.request(), !is_429, penalty, Some(now)).await.unwrap();
+                let learned = permits.record(job.request(), !is_429, penalty, None, Some(now)).await.unwrap();
                 if is_429 { spec.throttled(&tuning, now); } else { spec.sent(&tuning, now); }
                 spec.audit(&tuning, now);
                 let stored = store.learning(&target, &tuning).await.unwrap();
@@ -227,7 +227,7 @@ async fn permits_follow_the_learned_rate_and_a_plain_quota_forgets_it() {
     for _ in 0..400 {
         t += interval;
         let learned = permits
-            .record(job.request(), true, None, Some(t))
+            .record(job.request(), true, None, None, Some(t))
             .await
             .unwrap();
         rates.push(learned.tenant.unwrap());

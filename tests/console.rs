@@ -300,6 +300,11 @@ async fn an_operator_signs_in_sees_a_tenant_and_changes_its_quota() {
     assert!(row.contains("job(s) in line"), "{row}");
     let sent = env.activity("acme").await;
     assert!(sent.sent_per_s_10s > 0.0 && sent.queued > 0, "{sent:?}");
+    assert!(
+        sent.due_lag_p95_s.is_some(),
+        "first attempts count their due lag: {sent:?}"
+    );
+    assert!(row.contains("≤ "), "the due-lag p95 is shown: {row}");
     browser.click("#sort option[value=behind]").await;
     let first = browser
         .until_text("#tenant-table tbody tr:first-child", "acme")

@@ -102,7 +102,7 @@ async fn granted_sends_around(
             );
             let penalty = Penalty { wait, scope };
             permits
-                .record(throttled, false, Some(penalty), Some(T0 + at))
+                .record(throttled, false, Some(penalty), None, Some(T0 + at))
                 .await
                 .unwrap();
         }
@@ -300,7 +300,13 @@ fn a_tenant_scoped_429_leaves_other_tenants_of_the_route_alone() {
         let req = |tenant| request(tenant, &route, &id, &key);
         let (wait, scope) = (Duration::from_secs(2), ThrottleScope::Tenant);
         permits
-            .record(req(&noisy), false, Some(Penalty { wait, scope }), Some(T0))
+            .record(
+                req(&noisy),
+                false,
+                Some(Penalty { wait, scope }),
+                None,
+                Some(T0),
+            )
             .await
             .unwrap();
         let other_decision = permits.decide(req(&other), 1, Some(T0 + 1)).await.unwrap();
@@ -615,7 +621,7 @@ fn decisions_asked_at_once_each_get_their_own_answer() {
         let recorded = futures::future::join_all(
             (0..ids.len())
                 .step_by(2)
-                .map(|i| permits.record(fresh(i), true, None, Some(T0))),
+                .map(|i| permits.record(fresh(i), true, None, None, Some(T0))),
         )
         .await;
         assert!(recorded.into_iter().all(|r| r.is_ok()));

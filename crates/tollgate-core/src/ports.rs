@@ -90,11 +90,14 @@ pub trait PermitStore: Send + Sync + 'static {
     /// and concurrency slot, and on a 429 push the tenant's (or, by the
     /// route's scope, the route's) bucket past `penalty` so every pod backs
     /// off. Adaptive quotas learn from the same outcome.
+    /// `due_lag`, for a job's first attempt, is how late it went out after
+    /// it was due (the fleet-wide due-lag figures count it).
     fn complete(
         &self,
         req: PermitRequest<'_>,
         sent: bool,
         penalty: Option<Penalty>,
+        due_lag: Option<std::time::Duration>,
     ) -> impl Future<Output = Result<Learned, Self::Error>> + Send;
 }
 

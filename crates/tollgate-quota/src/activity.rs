@@ -12,6 +12,9 @@ use crate::{QuotaError, QuotaStore, Settings};
 /// The stats ring's shape; `complete.lua` writes it the same way.
 const BUCKET_S: i64 = 10;
 const SLOTS: i64 = 32;
+/// The due-lag ring: one slot a minute, and the bins' upper bounds (ms).
+const MINUTES: i64 = 6;
+const LAG_BINS_MS: [u64; 9] = [10, 50, 100, 250, 500, 1_000, 2_500, 5_000, 10_000];
 
 /// One tenant's recent traffic and waits, fleet-wide.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -30,6 +33,10 @@ pub struct Activity {
     pub queued_for_s: f64,
     /// Seconds a provider's Retry-After still holds the tenant (0 = none).
     pub retry_after_s: f64,
+    /// How late 95 % of the first attempts of the last 5 minutes went out
+    /// after they were due, at most (the upper bound of its bin: 10 ms,
+    /// 50 ms, … 10 s; `f64::INFINITY` beyond); `None` without sends.
+    pub due_lag_p95_s: Option<f64>,
 }
 
 impl Activity {
@@ -62,6 +69,39 @@ impl Activity {
             }
         }
     }
+}
+
+/// The bound 95 % of the due lags counted over the last 5 whole minutes
+/// and this one stay within (see [`Activity::due_lag_p95_s`]).
+pub(crate) fn lag_p95(fields: &[(String, i64)], now_s: f64) -> Option<f64> {
+    let field = |name: String| fields.iter().find(|(f, _)| *f == name).map(|&(_, v)| v);
+    let current = (now_s / 60.0).floor() as i64;
+    let mut bins = [0i64; LAG_BINS_MS.len() + 1];
+    for minute in (current - MINUTES + 1)..=current {
+        let slot = minute.rem_euclid(MINUTES);
+        if field(format!("m{slot}")) != Some(minute) {
+            continue;
+        }
+        for (i, count) in bins.iter_mut().enumerate() {
+            *count += field(format!("L{slot}.{}", i + 1)).unwrap_or(0);
+        }
+    }
+    let total: i64 = bins.iter().sum();
+    if total == 0 {
+        return None;
+    }
+    let mut seen = 0;
+    for (i, count) in bins.iter().enumerate() {
+        seen += count;
+        if seen * 100 >= total * 95 {
+            return Some(
+                LAG_BINS_MS
+                    .get(i)
+                    .map_or(f64::INFINITY, |&ms| ms as f64 / 1000.0),
+            );
+        }
+    }
+    Some(f64::INFINITY)
 }
 
 /// Counts of one kind (`s`, `t`, `f`) in the ring `fields`, over the
@@ -148,6 +188,7 @@ impl QuotaStore {
                 queued: queued as u64,
                 queued_for_s: (last - now_us) / 1e6,
                 retry_after_s: penalty.map_or(0.0, |p| ((p - now_us) / 1e6).max(0.0)),
+                due_lag_p95_s: lag_p95(&stats, now_s),
             });
         }
         Ok(out)
@@ -214,6 +255,34 @@ mod tests {
             a.why_waiting(&s),
             "not waiting; provider answered 0 × 429 and 4 other failure(s) in 5 min"
         );
+    }
+
+    #[test]
+    fn the_due_lag_p95_is_the_bound_of_the_bin_that_reaches_95_percent() {
+        // Minute 20 (now) and 19: 94 jobs within 10 ms, 5 within 250 ms,
+        // 1 beyond 10 s; minute 13's slot (13 % 6 = 1 = 19 % 6) is stale.
+        let fields: Vec<(String, i64)> = [
+            ("m2", 20),
+            ("L2.1", 50),
+            ("L2.4", 5),
+            ("m1", 19),
+            ("L1.1", 44),
+            ("L1.10", 1),
+        ]
+        .iter()
+        .map(|&(f, v)| (f.to_owned(), v))
+        .collect();
+        assert_eq!(lag_p95(&fields, 20.0 * 60.0 + 5.0), Some(0.25));
+        let stale: Vec<(String, i64)> = [("m1", 13), ("L1.10", 100)]
+            .iter()
+            .map(|&(f, v)| (f.to_owned(), v))
+            .collect();
+        assert_eq!(lag_p95(&stale, 20.0 * 60.0 + 5.0), None);
+        let late: Vec<(String, i64)> = [("m2", 20), ("L2.10", 3)]
+            .iter()
+            .map(|&(f, v)| (f.to_owned(), v))
+            .collect();
+        assert_eq!(lag_p95(&late, 20.0 * 60.0), Some(f64::INFINITY));
     }
 
     #[test]

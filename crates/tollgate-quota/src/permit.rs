@@ -612,6 +612,7 @@ impl RedisPermits {
         req: PermitRequest<'_>,
         sent: bool,
         penalty: Option<Penalty>,
+        due_lag: Option<Duration>,
         now_micros: Option<u64>,
     ) -> Result<Learned, QuotaError> {
         let scope = match penalty.map(|p| p.scope) {
@@ -642,6 +643,9 @@ impl RedisPermits {
             Target::Tenant(req.tenant.clone()).label(),
             Target::Route(req.route.clone()).label(),
             AUDIT_MAX_LEN.to_string(),
+            due_lag
+                .map(|lag| lag.as_millis().to_string())
+                .unwrap_or_default(),
         ];
         let reply = self.calls.call(Group::Complete, keys, args).await?;
         let rate = |i: usize| match reply.get(i) {
@@ -729,8 +733,9 @@ impl PermitStore for RedisPermits {
         req: PermitRequest<'_>,
         sent: bool,
         penalty: Option<Penalty>,
+        due_lag: Option<Duration>,
     ) -> Result<Learned, QuotaError> {
-        self.record(req, sent, penalty, None).await
+        self.record(req, sent, penalty, due_lag, None).await
     }
 }
 

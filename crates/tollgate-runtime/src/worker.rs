@@ -827,7 +827,7 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
                             .paused_until(scope, &job.tenant, &job.kind, now)
                     {
                         // Reserved before a 429 this pod saw: hold it back.
-                        self.complete_permit(request, false, None).await;
+                        self.complete_permit(request, false, None, None).await;
                         action = run.hold_back(&self.policy, until, now);
                         continue;
                     }
@@ -841,12 +841,13 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
                     if !commitment.begin(&self.commits).await {
                         // Shutting down: too late in the grace period to
                         // begin a call. Release the permit, hand it back.
-                        self.complete_permit(request, false, None).await;
+                        self.complete_permit(request, false, None, None).await;
                         return Err(Handback::Closing);
                     }
                     let attempt = run.attempt();
-                    if attempt == 1 {
-                        self.metrics.due_lag(tenant, run.due_reference().until(now));
+                    let due_lag = (attempt == 1).then(|| run.due_reference().until(now));
+                    if let Some(lag) = due_lag {
+                        self.metrics.due_lag(tenant, lag);
                     }
                     let started = Instant::now();
                     let response = self.provider.call(ProviderCall { job, attempt }).await;
@@ -865,7 +866,7 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
                         }
                         _ => None,
                     };
-                    self.complete_permit(request, sent, penalty).await;
+                    self.complete_permit(request, sent, penalty, due_lag).await;
                     if !sent {
                         info!(decision = outcome.as_str(), response = ?response, "provider did not accept");
                     }
@@ -907,11 +908,12 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
         request: PermitRequest<'_>,
         sent: bool,
         penalty: Option<Penalty>,
+        due_lag: Option<Duration>,
     ) {
         let started = Instant::now();
         let mut failures = 0u32;
         loop {
-            let error = match self.permits.complete(request, sent, penalty).await {
+            let error = match self.permits.complete(request, sent, penalty, due_lag).await {
                 Ok(learned) => {
                     self.redis_health.up();
                     if learned != Learned::default() {

@@ -382,6 +382,7 @@ async fn tenant_page(State(state): State<AdminState>, Query(q): Query<PageQuery>
             "queued": activity.queued,
             "queued_for_s": activity.queued_for_s,
             "retry_after_s": activity.retry_after_s,
+            "due_lag_p95_s": activity.due_lag_p95_s.map(|s| if s.is_finite() { json!(s) } else { json!("over 10 s") }),
         });
         tenants.push(row);
     }

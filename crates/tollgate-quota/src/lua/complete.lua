@@ -14,11 +14,12 @@
 -- Keys (11): sent record, lease, tenant in-flight zset, tenant penalty,
 -- route penalty, tenant quota, tenant adapt, route quota, route adapt,
 -- audit stream, tenant stats.
--- Arguments (10): lease token, '1' if sent, record ttl ms, job id,
+-- Arguments (11): lease token, '1' if sent, record ttl ms, job id,
 -- penalty microseconds ('0' = none, else a 429), "now" override in
 -- microseconds (tests only; "" = Redis TIME), whom the penalty pauses
 -- ("tenant" or "route"), the tenant's and the route's audit labels, the
--- audit stream's max length.
+-- audit stream's max length, the job's due lag in milliseconds (its first
+-- attempt only; "" = none).
 -- Reply: {1, tenant's effective rate, route's effective rate}, in
 -- thousandths per second, -1 where the quota does not adapt.
 
@@ -38,6 +39,30 @@ local function count_outcome(stats_key, outcome, now)
   end
   redis.call('HINCRBY', stats_key, outcome .. slot, 1)
   redis.call('EXPIRE', stats_key, STATS_TTL_S)
+end
+
+-- Due lags, for a fleet-wide p95: minute m lives in slot m % 6 as `m<slot>`
+-- (which minute it holds) and `L<slot>.<bin>` counts, bin i counting lags up
+-- to STATS_LAG_MS[i] (bin 10: longer). 66 fields at most.
+local STATS_LAG_MS = {10, 50, 100, 250, 500, 1000, 2500, 5000, 10000}
+local STATS_MINUTES = 6
+
+local function count_lag(stats_key, lag_ms, now)
+  local minute = math.floor(now / 6e7)
+  local slot = tostring(minute % STATS_MINUTES)
+  if tonumber(redis.call('HGET', stats_key, 'm' .. slot)) ~= minute then
+    local reset = {'m' .. slot, minute}
+    for bin = 1, #STATS_LAG_MS + 1 do
+      reset[#reset + 1] = 'L' .. slot .. '.' .. bin
+      reset[#reset + 1] = 0
+    end
+    redis.call('HSET', stats_key, unpack(reset))
+  end
+  local bin = #STATS_LAG_MS + 1
+  for i, bound in ipairs(STATS_LAG_MS) do
+    if lag_ms <= bound then bin = i break end
+  end
+  redis.call('HINCRBY', stats_key, 'L' .. slot .. '.' .. bin, 1)
 end
 
 local function complete(k, a)
@@ -75,6 +100,9 @@ local function complete(k, a)
   end
   local outcome = 'f'
   if penalty > 0 then outcome = 't' elseif a[2] == '1' then outcome = 's' end
-  count_outcome(k[11], outcome, now_us(a[6]))
+  local now = now_us(a[6])
+  count_outcome(k[11], outcome, now)
+  local lag = tonumber(a[11])
+  if lag then count_lag(k[11], lag, now) end
   return {1, tenant_rate, route_rate}
 end

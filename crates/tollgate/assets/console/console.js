@@ -83,6 +83,12 @@
     return q.effective_rate_per_s == null ? "(learning)" : q.effective_rate_per_s.toFixed(2) + "/s";
   }
 
+  function lagText(p95) {
+    if (p95 == null) return "";
+    if (typeof p95 === "string") return p95;
+    return "≤ " + (p95 < 1 ? Math.round(p95 * 1000) + " ms" : p95 + " s");
+  }
+
   function stateTags(q) {
     const cell = el("td");
     if (q.paused) cell.appendChild(el("span", "paused", "tag paused"));
@@ -167,6 +173,7 @@
       row.appendChild(el("td", effectiveText(t)));
       row.appendChild(el("td", a.sent_per_s_10s.toFixed(1) + " · " + a.sent_per_s_5m.toFixed(2)));
       row.appendChild(el("td", a.throttled_5m + " · " + a.failed_5m));
+      row.appendChild(el("td", lagText(a.due_lag_p95_s)));
       row.appendChild(el("td", a.in_flight));
       row.appendChild(el("td", a.queued ? a.queued + " (" + a.queued_for_s.toFixed(1) + " s)" : "0"));
       row.appendChild(el("td", t.waiting, "why"));
