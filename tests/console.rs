@@ -345,6 +345,22 @@ async fn an_operator_signs_in_sees_a_tenant_and_changes_its_quota() {
         history.len()
     );
 
+    // A route's quota, from the same page: stored, audited, listed.
+    browser.fill("#shared-target", "email").await;
+    browser.fill("#shared-rate", "100/s").await;
+    browser.click("#shared-form button[type=submit]").await;
+    browser.until_text("#route-table", "route email").await;
+    let email = Target::Route(tollgate_core::Kind::parse("email").unwrap());
+    let route = env.quotas.get(&email).await.unwrap().expect("stored");
+    assert_eq!(route.quota, Some(Quota::parse("100/s", 1).unwrap()));
+    assert_eq!(route.updated_by.as_deref(), Some("console:alice"));
+    browser.fill("#shared-target", "default").await;
+    browser.fill("#shared-rate", "a lot").await;
+    browser.click("#shared-form button[type=submit]").await;
+    let refused = Quota::parse("a lot", 1).unwrap_err().to_string();
+    browser.until_text("#shared-error", &refused).await;
+    assert!(env.quotas.get(&Target::Default).await.unwrap().is_none());
+
     // Pause from the console: stored, and shown.
     browser.click("#pause").await;
     browser.until_text("#tenant-table tbody", "paused").await;

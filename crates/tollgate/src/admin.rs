@@ -68,6 +68,7 @@ pub struct AdminState {
 pub fn router(state: AdminState) -> Router {
     Router::new()
         .route("/v1/quotas", get(list))
+        .route("/v1/shared-quotas", get(list_shared))
         .route("/v1/console/tenants", get(tenant_page))
         .route("/v1/default-quota", get(get_default).put(put_default))
         .route(
@@ -308,6 +309,18 @@ async fn list(State(state): State<AdminState>) -> ApiResult {
         .iter()
         .map(|(t, s)| (t.to_string(), settings_json(s)))
         .collect();
+    let mut all = shared_json(&state).await?;
+    all["tenants"] = tenants.into();
+    Ok(Json(all).into_response())
+}
+
+/// The quotas tenants share: the default and the routes' (the console's
+/// list of them; `/v1/quotas` without its tenants, which may be thousands).
+async fn list_shared(State(state): State<AdminState>) -> ApiResult {
+    Ok(Json(shared_json(&state).await?).into_response())
+}
+
+async fn shared_json(state: &AdminState) -> Result<serde_json::Value, ApiError> {
     let routes: serde_json::Map<String, serde_json::Value> = state
         .store
         .routes()
@@ -315,12 +328,10 @@ async fn list(State(state): State<AdminState>) -> ApiResult {
         .iter()
         .map(|(r, s)| (r.to_string(), settings_json(s)))
         .collect();
-    Ok(Json(json!({
-        "default": default_json(&state).await?,
-        "tenants": tenants,
+    Ok(json!({
+        "default": default_json(state).await?,
         "routes": routes,
     }))
-    .into_response())
 }
 
 #[derive(Deserialize)]

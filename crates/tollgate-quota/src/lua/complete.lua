@@ -26,34 +26,35 @@
 -- The stats ring: bucket b (10 s of Redis time) lives in slot b % 32 as
 -- fields `b<slot>` (which bucket it holds), `s<slot>` sends, `t<slot>` 429s,
 -- `f<slot>` other failures. A slot still holding an older bucket is reset
--- before it counts, so the hash never grows past 128 fields; it expires
--- 10 minutes after the tenant's last outcome.
-local STATS_BUCKET_S, STATS_SLOTS, STATS_TTL_S = 10, 32, 600
-
-local function count_outcome(stats_key, outcome, now)
-  local bucket = math.floor(now / 1e6 / STATS_BUCKET_S)
-  local slot = tostring(bucket % STATS_SLOTS)
-  local held = tonumber(redis.call('HGET', stats_key, 'b' .. slot))
-  if held ~= bucket then
-    redis.call('HSET', stats_key, 'b' .. slot, bucket, 's' .. slot, 0, 't' .. slot, 0, 'f' .. slot, 0)
-  end
-  redis.call('HINCRBY', stats_key, outcome .. slot, 1)
-  redis.call('EXPIRE', stats_key, STATS_TTL_S)
-end
-
+-- before it counts, so the hash never grows past 128 fields.
+--
 -- Due lags, for a fleet-wide p95: minute m lives in slot m % 6 as `m<slot>`
 -- (which minute it holds) and `L<slot>.<bin>` counts, bin i counting lags up
 -- to STATS_LAG_MS[i] (bin 10: longer). 66 fields at most.
+--
+-- The hash expires 10 minutes after the last bucket began: the expiry is
+-- renewed with each reset (once per 10 s while the tenant sends), not with
+-- each count.
+local STATS_BUCKET_S, STATS_SLOTS, STATS_TTL_S = 10, 32, 600
 local STATS_LAG_MS = {10, 50, 100, 250, 500, 1000, 2500, 5000, 10000}
 local STATS_MINUTES = 6
 
-local function count_lag(stats_key, lag_ms, now)
+local function count_outcome(stats_key, outcome, lag_ms, now)
+  local bucket = math.floor(now / 1e6 / STATS_BUCKET_S)
+  local slot = tostring(bucket % STATS_SLOTS)
   local minute = math.floor(now / 6e7)
-  local slot = tostring(minute % STATS_MINUTES)
-  if tonumber(redis.call('HGET', stats_key, 'm' .. slot)) ~= minute then
-    local reset = {'m' .. slot, minute}
+  local lag_slot = tostring(minute % STATS_MINUTES)
+  local held = redis.call('HMGET', stats_key, 'b' .. slot, 'm' .. lag_slot)
+  if tonumber(held[1]) ~= bucket then
+    redis.call('HSET', stats_key, 'b' .. slot, bucket, 's' .. slot, 0, 't' .. slot, 0, 'f' .. slot, 0)
+    redis.call('EXPIRE', stats_key, STATS_TTL_S)
+  end
+  redis.call('HINCRBY', stats_key, outcome .. slot, 1)
+  if not lag_ms then return end
+  if tonumber(held[2]) ~= minute then
+    local reset = {'m' .. lag_slot, minute}
     for bin = 1, #STATS_LAG_MS + 1 do
-      reset[#reset + 1] = 'L' .. slot .. '.' .. bin
+      reset[#reset + 1] = 'L' .. lag_slot .. '.' .. bin
       reset[#reset + 1] = 0
     end
     redis.call('HSET', stats_key, unpack(reset))
@@ -62,7 +63,7 @@ local function count_lag(stats_key, lag_ms, now)
   for i, bound in ipairs(STATS_LAG_MS) do
     if lag_ms <= bound then bin = i break end
   end
-  redis.call('HINCRBY', stats_key, 'L' .. slot .. '.' .. bin, 1)
+  redis.call('HINCRBY', stats_key, 'L' .. lag_slot .. '.' .. bin, 1)
 end
 
 local function complete(k, a)
@@ -100,9 +101,6 @@ local function complete(k, a)
   end
   local outcome = 'f'
   if penalty > 0 then outcome = 't' elseif a[2] == '1' then outcome = 's' end
-  local now = now_us(a[6])
-  count_outcome(k[11], outcome, now)
-  local lag = tonumber(a[11])
-  if lag then count_lag(k[11], lag, now) end
+  count_outcome(k[11], outcome, tonumber(a[11]), now_us(a[6]))
   return {1, tenant_rate, route_rate}
 end

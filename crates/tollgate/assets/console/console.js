@@ -122,6 +122,7 @@
     view.timer = null;
     show("whoami", false);
     show("tenants", false);
+    show("shared", false);
     show("dlq", false);
     show("tenant", false);
     show("login", true);
@@ -133,6 +134,7 @@
     show("login", false);
     show("whoami", true);
     show("tenants", true);
+    show("shared", true);
     show("dlq", true);
     refresh();
     view.timer = setInterval(refresh, POLL_MS);
@@ -143,6 +145,7 @@
   async function refresh() {
     try {
       await loadList();
+      await loadShared();
       if (view.tenant) await loadTenant(view.tenant);
       $("live").textContent = "updated " + new Date().toLocaleTimeString();
       say("list-error", "");
@@ -189,6 +192,42 @@
     $("next").disabled = last >= page.total;
     const fallback = page.default.quota;
     $("default-quota").textContent = fallback.rate + " burst " + fallback.burst + " (" + page.default.source + ")";
+  }
+
+  // ---- routes and the default quota -----------------------------------------
+
+  async function loadShared() {
+    const all = await api("GET", "/v1/shared-quotas");
+    const rows = [];
+    const row = (label, q) => {
+      const tr = el("tr");
+      tr.appendChild(el("td", label));
+      tr.appendChild(el("td", quotaText(q)));
+      tr.appendChild(el("td", effectiveText(q)));
+      tr.appendChild(el("td", q.updated_by || ""));
+      rows.push(tr);
+    };
+    row("default (" + all.default.source + ")", { quota: all.default.quota });
+    for (const [route, q] of Object.entries(all.routes)) row("route " + route, q);
+    $("route-table").tBodies[0].replaceChildren(...rows);
+  }
+
+  async function saveShared(event) {
+    event.preventDefault();
+    say("shared-error", "");
+    say("shared-ok", "");
+    const target = $("shared-target").value.trim();
+    const body = { rate: $("shared-rate").value.trim(), burst: number("shared-burst") || 1 };
+    if ($("shared-adaptive").checked) body.adaptive = {};
+    const path = target === "default" ? "/v1/default-quota" : "/v1/routes/" + encodeURIComponent(target) + "/quota";
+    try {
+      await api("PUT", path, body);
+    } catch (e) {
+      say("shared-error", e.message);
+      return;
+    }
+    say("shared-ok", "Saved: " + target + " " + body.rate);
+    await refresh();
   }
 
   // ---- one tenant ----------------------------------------------------------
@@ -444,6 +483,7 @@
       show("confirm-delete", false);
       await act("DELETE", "/quota");
     });
+    $("shared-form").addEventListener("submit", saveShared);
     $("shadow-form").addEventListener("submit", shadow);
     $("shadow-clear").addEventListener("click", () => act("DELETE", "/shadow"));
     $("cancel-form").addEventListener("submit", cancelJob);
