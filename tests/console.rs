@@ -252,11 +252,14 @@ async fn an_operator_signs_in_sees_a_tenant_and_changes_its_quota() {
             .await
             .unwrap();
     }
-    // Traffic: acme has a backlog at 5/s, so it sends and has jobs in line.
+    // Traffic: acme has a backlog at 5/s, so it sends and has jobs in line;
+    // initech, with nothing stored, sends one job on the default quota.
     let worker = env.spawn_worker().await;
     env.publish("acme", 40, |_| {}).await;
-    wait_for("acme's first sends", PATIENCE, || async {
-        provider.received().len() >= 5
+    env.publish("initech", 1, |_| {}).await;
+    wait_for("acme's first sends and initech's", PATIENCE, || async {
+        let received = provider.received();
+        received.iter().any(|r| r.tenant == "initech") && received.len() >= 5
     })
     .await;
 
@@ -292,7 +295,12 @@ async fn an_operator_signs_in_sees_a_tenant_and_changes_its_quota() {
     assert_eq!(filtered, "1–1 of 1");
     assert!(!browser.text("#tenant-table tbody").await.contains("acme"));
     browser.fill("#search", "").await;
-    browser.until_text("#page-info", "1–2 of 2").await;
+    browser.until_text("#page-info", "1–3 of 3").await;
+    let listed = browser.text("#tenant-table tbody").await;
+    assert!(
+        listed.contains("initech default"),
+        "a tenant with traffic and no stored quota is listed on the default: {listed}"
+    );
     // acme is sending and waiting for its quota; the fleet-wide figures say so.
     let row = browser
         .until_text("#tenant-table tbody tr:first-child", "quota: ")

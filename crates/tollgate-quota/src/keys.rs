@@ -154,6 +154,13 @@ impl Keys {
         format!("{}:adapt-default", self.prefix)
     }
 
+    /// Sorted set: tenant -> when its current 10 s stats bucket began
+    /// (seconds), for the tenants with outcomes in the last 10 minutes
+    /// (`complete.lua`): the console lists them beside those with settings.
+    pub fn active_tenants(&self) -> String {
+        format!("{}:active-tenants", self.prefix)
+    }
+
     /// Set of tenants with stored settings (for `quota list`).
     pub fn tenants(&self) -> String {
         format!("{}:tenants", self.prefix)

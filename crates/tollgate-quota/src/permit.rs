@@ -631,6 +631,7 @@ impl RedisPermits {
             self.keys.route_adapt(req.route),
             self.keys.audit(),
             self.keys.stats(req.tenant),
+            self.keys.active_tenants(),
         ];
         let args = vec![
             req.lease_token.to_owned(),
@@ -646,6 +647,7 @@ impl RedisPermits {
             due_lag
                 .map(|lag| lag.as_millis().to_string())
                 .unwrap_or_default(),
+            req.tenant.to_string(),
         ];
         let reply = self.calls.call(Group::Complete, keys, args).await?;
         let rate = |i: usize| match reply.get(i) {

@@ -312,6 +312,10 @@ pub struct AuditEntry {
     pub detail: Option<String>,
 }
 
+/// How long a tenant stays listed after its last outcome (`complete.lua`'s
+/// `STATS_TTL_S`).
+const ACTIVE_FOR_S: i64 = 600;
+
 pub struct QuotaStore {
     pub(crate) redis: Arc<Redis>,
     pub(crate) keys: Keys,
@@ -505,12 +509,25 @@ impl QuotaStore {
         Ok(out)
     }
 
-    /// The tenants with a stored quota whose names start with `prefix`,
-    /// sorted by name (one set read).
+    /// The tenants whose names start with `prefix` that have stored
+    /// settings or had outcomes in the last 10 minutes, sorted by name (one
+    /// set read and one sorted-set read).
     pub async fn tenant_names(&self, prefix: &str) -> Result<Vec<TenantId>, QuotaError> {
-        Ok(self
-            .members(&self.keys.tenants())
-            .await?
+        let mut names = self.members(&self.keys.tenants()).await?;
+        let mut conn = self.redis.conn().await?;
+        // Trimmed when written; a fleet gone quiet leaves its last members.
+        let since_s = self.now_ms(&mut conn).await? / 1000 - ACTIVE_FOR_S;
+        let active: Vec<String> = redis::cmd("ZRANGEBYSCORE")
+            .arg(self.keys.active_tenants())
+            .arg(since_s)
+            .arg("+inf")
+            .query_async(&mut conn)
+            .await
+            .map_err(|e| self.redis.classify(e))?;
+        names.extend(active);
+        names.sort();
+        names.dedup();
+        Ok(names
             .into_iter()
             .filter(|n| n.starts_with(prefix))
             .filter_map(|n| TenantId::parse(n).ok())

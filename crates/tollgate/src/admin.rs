@@ -347,8 +347,8 @@ struct PageQuery {
     sort: Option<String>,
 }
 
-/// The console's tenant list: one page of the tenants with a stored quota,
-/// by name or most behind first, filtered by prefix, each with what it is
+/// The console's tenant list: one page of the tenants with a stored quota
+/// or recent traffic, by name or most behind first, filtered by prefix, each with what it is
 /// doing fleet-wide ([`tollgate_quota::Activity`]) and why it waits.
 async fn tenant_page(State(state): State<AdminState>, Query(q): Query<PageQuery>) -> ApiResult {
     let limit = q.limit.unwrap_or(50).clamp(1, 500);
@@ -378,9 +378,12 @@ async fn tenant_page(State(state): State<AdminState>, Query(q): Query<PageQuery>
     };
     let mut tenants = Vec::with_capacity(names.len());
     for (name, activity) in names.iter().zip(activity.drain(..)) {
-        let Some(settings) = state.store.get(&Target::Tenant(name.clone())).await? else {
-            continue;
-        };
+        // A tenant with traffic and nothing stored runs on the default.
+        let settings = state
+            .store
+            .get(&Target::Tenant(name.clone()))
+            .await?
+            .unwrap_or_default();
         let mut row = settings_json(&settings);
         row["tenant"] = name.to_string().into();
         row["waiting"] = activity.why_waiting(&settings).into();

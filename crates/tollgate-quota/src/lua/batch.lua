@@ -4,7 +4,7 @@
 --
 -- ARGV[1] names each group's kind, one letter per group in order:
 --   'p'  a permit decision: 21 keys, 18 arguments
---   'c'  a completion: 11 keys, 11 arguments
+--   'c'  a completion: 12 keys, 12 arguments
 -- The groups' keys and arguments follow, one group after another.
 -- Reply: one per group, in order.
 -- (On a Redis Cluster a batch must hold only keys of one slot.)
@@ -17,8 +17,8 @@ for i = 1, #kinds do
     replies[i] = permit({unpack(KEYS, k + 1, k + 21)}, {unpack(ARGV, a + 1, a + 18)})
     k, a = k + 21, a + 18
   else
-    replies[i] = complete({unpack(KEYS, k + 1, k + 11)}, {unpack(ARGV, a + 1, a + 11)})
-    k, a = k + 11, a + 11
+    replies[i] = complete({unpack(KEYS, k + 1, k + 12)}, {unpack(ARGV, a + 1, a + 12)})
+    k, a = k + 12, a + 12
   end
 end
 return replies

@@ -11,15 +11,15 @@
 -- Every outcome is also counted in the tenant's stats (a ring of 10 s
 -- buckets over 5 minutes, for the console; see `STATS_*` below).
 --
--- Keys (11): sent record, lease, tenant in-flight zset, tenant penalty,
+-- Keys (12): sent record, lease, tenant in-flight zset, tenant penalty,
 -- route penalty, tenant quota, tenant adapt, route quota, route adapt,
--- audit stream, tenant stats.
--- Arguments (11): lease token, '1' if sent, record ttl ms, job id,
+-- audit stream, tenant stats, active tenants.
+-- Arguments (12): lease token, '1' if sent, record ttl ms, job id,
 -- penalty microseconds ('0' = none, else a 429), "now" override in
 -- microseconds (tests only; "" = Redis TIME), whom the penalty pauses
 -- ("tenant" or "route"), the tenant's and the route's audit labels, the
 -- audit stream's max length, the job's due lag in milliseconds (its first
--- attempt only; "" = none).
+-- attempt only; "" = none), the tenant's name.
 -- Reply: {1, tenant's effective rate, route's effective rate}, in
 -- thousandths per second, -1 where the quota does not adapt.
 
@@ -34,12 +34,14 @@
 --
 -- The hash expires 10 minutes after the last bucket began: the expiry is
 -- renewed with each reset (once per 10 s while the tenant sends), not with
--- each count.
+-- each count. At the same moment the tenant is marked active (a sorted set
+-- by when, trimmed to those 10 minutes), so the console finds tenants with
+-- traffic but no stored quota.
 local STATS_BUCKET_S, STATS_SLOTS, STATS_TTL_S = 10, 32, 600
 local STATS_LAG_MS = {10, 50, 100, 250, 500, 1000, 2500, 5000, 10000}
 local STATS_MINUTES = 6
 
-local function count_outcome(stats_key, outcome, lag_ms, now)
+local function count_outcome(stats_key, active_key, tenant, outcome, lag_ms, now)
   local bucket = math.floor(now / 1e6 / STATS_BUCKET_S)
   local slot = tostring(bucket % STATS_SLOTS)
   local minute = math.floor(now / 6e7)
@@ -48,6 +50,9 @@ local function count_outcome(stats_key, outcome, lag_ms, now)
   if tonumber(held[1]) ~= bucket then
     redis.call('HSET', stats_key, 'b' .. slot, bucket, 's' .. slot, 0, 't' .. slot, 0, 'f' .. slot, 0)
     redis.call('EXPIRE', stats_key, STATS_TTL_S)
+    local began = bucket * STATS_BUCKET_S
+    redis.call('ZADD', active_key, began, tenant)
+    redis.call('ZREMRANGEBYSCORE', active_key, '-inf', began - STATS_TTL_S)
   end
   redis.call('HINCRBY', stats_key, outcome .. slot, 1)
   if not lag_ms then return end
@@ -101,6 +106,6 @@ local function complete(k, a)
   end
   local outcome = 'f'
   if penalty > 0 then outcome = 't' elseif a[2] == '1' then outcome = 's' end
-  count_outcome(k[11], outcome, tonumber(a[11]), now_us(a[6]))
+  count_outcome(k[11], k[12], a[12], outcome, tonumber(a[11]), now_us(a[6]))
   return {1, tenant_rate, route_rate}
 end
