@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use proptest::prelude::*;
 use tollgate_core::adaptive::AUDIT_EVERY_MICROS;
-use tollgate_core::ports::{Learned, Penalty, PermitRequest, ThrottleScope};
+use tollgate_core::ports::{Learned, Penalty, PermitRequest, PermitUse, ThrottleScope};
 use tollgate_core::{
     Adaptive, IdempotencyKey, JobId, Kind, Learning, PermitDecision, Quota, TenantId,
 };
@@ -100,7 +100,13 @@ fn throttled(scope: ThrottleScope) -> Option<Penalty> {
 /// A 429 (Retry-After 1 s) on `job`'s call at `now`: what was learned.
 async fn throttle(permits: &RedisPermits, job: &Job, scope: ThrottleScope, now: u64) -> Learned {
     permits
-        .record(job.request(), false, throttled(scope), None, Some(now))
+        .record(
+            job.request(),
+            PermitUse::CallFailed,
+            throttled(scope),
+            None,
+            Some(now),
+        )
         .await
         .unwrap()
 }
@@ -138,7 +144,8 @@ proptest! {
             for (is_429, gap) in events {
                 now += gap;
                 let penalty = if is_429 { throttled(ThrottleScope::Tenant) } else { None };
-                let learned = permits.record(job.request(), !is_429, penalty, None, Some(now)).await.unwrap();
+                let used = if is_429 { PermitUse::CallFailed } else { PermitUse::Sent };
+                let learned = permits.record(job.request(), used, penalty, None, Some(now)).await.unwrap();
                 if is_429 { spec.throttled(&tuning, now); } else { spec.sent(&tuning, now); }
                 spec.audit(&tuning, now);
                 let stored = store.learning(&target, &tuning).await.unwrap();
@@ -227,7 +234,7 @@ async fn permits_follow_the_learned_rate_and_a_plain_quota_forgets_it() {
     for _ in 0..400 {
         t += interval;
         let learned = permits
-            .record(job.request(), true, None, None, Some(t))
+            .record(job.request(), PermitUse::Sent, None, None, Some(t))
             .await
             .unwrap();
         rates.push(learned.tenant.unwrap());

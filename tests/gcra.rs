@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use proptest::prelude::*;
-use tollgate_core::ports::{Penalty, PermitRequest, ThrottleScope};
+use tollgate_core::ports::{Penalty, PermitRequest, PermitUse, ThrottleScope};
 use tollgate_core::{IdempotencyKey, JobId, Kind, PermitDecision, Quota, TenantId};
 use tollgate_quota::{Keys, PermitSettings, QuotaStore, Redis, RedisPermits, Reply};
 
@@ -102,7 +102,13 @@ async fn granted_sends_around(
             );
             let penalty = Penalty { wait, scope };
             permits
-                .record(throttled, false, Some(penalty), None, Some(T0 + at))
+                .record(
+                    throttled,
+                    PermitUse::CallFailed,
+                    Some(penalty),
+                    None,
+                    Some(T0 + at),
+                )
                 .await
                 .unwrap();
         }
@@ -302,7 +308,7 @@ fn a_tenant_scoped_429_leaves_other_tenants_of_the_route_alone() {
         permits
             .record(
                 req(&noisy),
-                false,
+                PermitUse::CallFailed,
                 Some(Penalty { wait, scope }),
                 None,
                 Some(T0),
@@ -621,7 +627,7 @@ fn decisions_asked_at_once_each_get_their_own_answer() {
         let recorded = futures::future::join_all(
             (0..ids.len())
                 .step_by(2)
-                .map(|i| permits.record(fresh(i), true, None, None, Some(T0))),
+                .map(|i| permits.record(fresh(i), PermitUse::Sent, None, None, Some(T0))),
         )
         .await;
         assert!(recorded.into_iter().all(|r| r.is_ok()));
@@ -653,6 +659,50 @@ fn decisions_asked_at_once_each_get_their_own_answer() {
         }
         assert_eq!(granted, 5, "the burst, no more");
         assert_eq!(places.len(), 15);
+        quotas.purge_prefix().await.unwrap();
+    });
+}
+
+/// The tenant's fleet-wide figures count provider calls only: a permit
+/// released without a call (shutting down, held back by a 429) is no
+/// failure; a call that failed is one, a send counts with its due lag.
+#[test]
+fn only_provider_calls_count_in_a_tenants_figures() {
+    runtime().block_on(async {
+        let (permits, quotas) = stores(Quota::new("10/s".parse().unwrap(), 5).unwrap());
+        let (tenant, route) = (TenantId::parse("acme").unwrap(), Kind::default_kind());
+        let id = JobId::parse("j1").unwrap();
+        let key = IdempotencyKey::from(&id);
+        let req = request(&tenant, &route, &id, &key);
+        let figures = || async {
+            quotas
+                .activity(std::slice::from_ref(&tenant))
+                .await
+                .unwrap()
+                .remove(0)
+        };
+
+        permits
+            .record(req, PermitUse::Unused, None, None, None)
+            .await
+            .unwrap();
+        let unused = figures().await;
+        assert_eq!(unused.failed_5m, 0, "{unused:?}");
+        assert_eq!(unused.sent_per_s_10s, 0.0, "{unused:?}");
+
+        permits
+            .record(req, PermitUse::CallFailed, None, None, None)
+            .await
+            .unwrap();
+        let lag = Some(Duration::from_millis(30));
+        permits
+            .record(req, PermitUse::Sent, None, lag, None)
+            .await
+            .unwrap();
+        let called = figures().await;
+        assert_eq!(called.failed_5m, 1, "{called:?}");
+        assert!(called.sent_per_s_10s > 0.0, "{called:?}");
+        assert_eq!(called.due_lag_p95_s, Some(0.05), "{called:?}");
         quotas.purge_prefix().await.unwrap();
     });
 }

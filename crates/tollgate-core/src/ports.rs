@@ -58,6 +58,18 @@ pub enum ThrottleScope {
     Route,
 }
 
+/// What became of a permit, as its completion records it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PermitUse {
+    /// The provider accepted the call: the idempotency key is recorded.
+    Sent,
+    /// The provider was called and did not accept (a 429, an error).
+    CallFailed,
+    /// Released without a call (shutting down, or held back by a 429 this
+    /// pod saw after the permit was reserved): nothing to count.
+    Unused,
+}
+
 /// A 429's pause, pushed into the permit store so every pod obeys it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Penalty {
@@ -86,8 +98,9 @@ pub trait PermitStore: Send + Sync + 'static {
     /// A round trip, for readiness probes.
     fn ping(&self) -> impl Future<Output = Result<(), Self::Error>> + Send;
 
-    /// After a provider call: record the key when `sent`, release the lease
-    /// and concurrency slot, and on a 429 push the tenant's (or, by the
+    /// After a provider call, or instead of one: record the key when
+    /// [`PermitUse::Sent`], release the lease and concurrency slot, count
+    /// the outcome of a call in the tenant's figures, and on a 429 push the tenant's (or, by the
     /// route's scope, the route's) bucket past `penalty` so every pod backs
     /// off. Adaptive quotas learn from the same outcome.
     /// `due_lag`, for a job's first attempt, is how late it went out after
@@ -95,7 +108,7 @@ pub trait PermitStore: Send + Sync + 'static {
     fn complete(
         &self,
         req: PermitRequest<'_>,
-        sent: bool,
+        used: PermitUse,
         penalty: Option<Penalty>,
         due_lag: Option<std::time::Duration>,
     ) -> impl Future<Output = Result<Learned, Self::Error>> + Send;

@@ -22,7 +22,9 @@ use std::time::{Duration, Instant};
 
 use redis::Script;
 use tokio::sync::{mpsc, oneshot};
-use tollgate_core::ports::{Learned, Penalty, PermitRequest, PermitStore, ThrottleScope};
+use tollgate_core::ports::{
+    Learned, Penalty, PermitRequest, PermitStore, PermitUse, ThrottleScope,
+};
 use tollgate_core::{Kind, PermitDecision, Priority, Quota, Shadow, TenantId};
 
 use crate::store::AUDIT_MAX_LEN;
@@ -610,7 +612,7 @@ impl RedisPermits {
     pub async fn record(
         &self,
         req: PermitRequest<'_>,
-        sent: bool,
+        used: PermitUse,
         penalty: Option<Penalty>,
         due_lag: Option<Duration>,
         now_micros: Option<u64>,
@@ -635,7 +637,12 @@ impl RedisPermits {
         ];
         let args = vec![
             req.lease_token.to_owned(),
-            if sent { "1" } else { "0" }.to_owned(),
+            match used {
+                PermitUse::Sent => "1",
+                PermitUse::CallFailed => "0",
+                PermitUse::Unused => "",
+            }
+            .to_owned(),
             self.settings.sent_ttl.as_millis().to_string(),
             req.job_id.as_str().to_owned(),
             penalty.map(|p| micros(p.wait)).unwrap_or(0).to_string(),
@@ -733,11 +740,11 @@ impl PermitStore for RedisPermits {
     async fn complete(
         &self,
         req: PermitRequest<'_>,
-        sent: bool,
+        used: PermitUse,
         penalty: Option<Penalty>,
         due_lag: Option<Duration>,
     ) -> Result<Learned, QuotaError> {
-        self.record(req, sent, penalty, due_lag, None).await
+        self.record(req, used, penalty, due_lag, None).await
     }
 }
 

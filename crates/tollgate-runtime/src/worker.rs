@@ -25,7 +25,9 @@ use tollgate_amqp::lapin::message::Delivery;
 use tollgate_amqp::{Broker, ConsumerControl, Topology};
 use tollgate_core::job::{Limits, decode};
 use tollgate_core::outcome::classify;
-use tollgate_core::ports::{Learned, Penalty, PermitRequest, PermitStore, Provider, ProviderCall};
+use tollgate_core::ports::{
+    Learned, Penalty, PermitRequest, PermitStore, PermitUse, Provider, ProviderCall,
+};
 use tollgate_core::{
     Action, Clock, Completion, DeadReason, Job, JobRun, Malformed, ParkReason, PermitDecision,
     Policy, Progress, ProviderOutcome, UnixMillis,
@@ -827,7 +829,8 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
                             .paused_until(scope, &job.tenant, &job.kind, now)
                     {
                         // Reserved before a 429 this pod saw: hold it back.
-                        self.complete_permit(request, false, None, None).await;
+                        self.complete_permit(request, PermitUse::Unused, None, None)
+                            .await;
                         action = run.hold_back(&self.policy, until, now);
                         continue;
                     }
@@ -841,7 +844,8 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
                     if !commitment.begin(&self.commits).await {
                         // Shutting down: too late in the grace period to
                         // begin a call. Release the permit, hand it back.
-                        self.complete_permit(request, false, None, None).await;
+                        self.complete_permit(request, PermitUse::Unused, None, None)
+                            .await;
                         return Err(Handback::Closing);
                     }
                     let attempt = run.attempt();
@@ -866,7 +870,12 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
                         }
                         _ => None,
                     };
-                    self.complete_permit(request, sent, penalty, due_lag).await;
+                    let used = if sent {
+                        PermitUse::Sent
+                    } else {
+                        PermitUse::CallFailed
+                    };
+                    self.complete_permit(request, used, penalty, due_lag).await;
                     if !sent {
                         info!(decision = outcome.as_str(), response = ?response, "provider did not accept");
                     }
@@ -906,14 +915,14 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
     async fn complete_permit(
         &self,
         request: PermitRequest<'_>,
-        sent: bool,
+        used: PermitUse,
         penalty: Option<Penalty>,
         due_lag: Option<Duration>,
     ) {
         let started = Instant::now();
         let mut failures = 0u32;
         loop {
-            let error = match self.permits.complete(request, sent, penalty, due_lag).await {
+            let error = match self.permits.complete(request, used, penalty, due_lag).await {
                 Ok(learned) => {
                     self.redis_health.up();
                     if learned != Learned::default() {
@@ -933,6 +942,7 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
                 rand::random(),
             );
             failures += 1;
+            let sent = used == PermitUse::Sent;
             if !sent || started.elapsed() + wait > RECORD_RETRY_FOR {
                 if sent {
                     error!(error = %error, "sent, but the idempotency record could not be written: \

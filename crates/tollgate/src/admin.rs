@@ -656,35 +656,6 @@ async fn cancel(
         .into_response())
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_bearer_scheme_is_case_insensitive() {
-        assert_eq!(bearer("Bearer abc"), Some("abc"));
-        assert_eq!(bearer("bearer abc"), Some("abc"));
-        assert_eq!(bearer("BEARER  abc"), Some("abc"));
-        assert_eq!(bearer("Basic abc"), None);
-        assert_eq!(bearer("Bearer"), None);
-    }
-
-    #[test]
-    fn short_tokens_cannot_be_built() {
-        assert!(AdminToken::new(Secret::new("")).is_err());
-        assert!(AdminToken::new(Secret::new("fifteen-bytes!!")).is_err());
-        assert!(AdminToken::new(Secret::new("sixteen-bytes!!!")).is_ok());
-    }
-
-    #[test]
-    fn token_comparison_is_exact() {
-        assert!(constant_time_eq(b"s3cret", b"s3cret"));
-        assert!(!constant_time_eq(b"s3cret", b"s3creT"));
-        assert!(!constant_time_eq(b"s3cret", b"s3cret!"));
-        assert!(!constant_time_eq(b"", b"s3cret"));
-    }
-}
-
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct DlqQuery {
@@ -812,4 +783,33 @@ async fn dlq_purge(
         )
         .await?;
     Ok(Json(json!({"purged": purged})).into_response())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_bearer_scheme_is_case_insensitive() {
+        assert_eq!(bearer("Bearer abc"), Some("abc"));
+        assert_eq!(bearer("bearer abc"), Some("abc"));
+        assert_eq!(bearer("BEARER  abc"), Some("abc"));
+        assert_eq!(bearer("Basic abc"), None);
+        assert_eq!(bearer("Bearer"), None);
+    }
+
+    #[test]
+    fn short_tokens_cannot_be_built() {
+        assert!(AdminToken::new(Secret::new("")).is_err());
+        assert!(AdminToken::new(Secret::new("fifteen-bytes!!")).is_err());
+        assert!(AdminToken::new(Secret::new("sixteen-bytes!!!")).is_ok());
+    }
+
+    #[test]
+    fn token_comparison_is_exact() {
+        assert!(constant_time_eq(b"s3cret", b"s3cret"));
+        assert!(!constant_time_eq(b"s3cret", b"s3creT"));
+        assert!(!constant_time_eq(b"s3cret", b"s3cret!"));
+        assert!(!constant_time_eq(b"", b"s3cret"));
+    }
 }

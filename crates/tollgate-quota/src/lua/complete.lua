@@ -14,7 +14,8 @@
 -- Keys (12): sent record, lease, tenant in-flight zset, tenant penalty,
 -- route penalty, tenant quota, tenant adapt, route quota, route adapt,
 -- audit stream, tenant stats, active tenants.
--- Arguments (12): lease token, '1' if sent, record ttl ms, job id,
+-- Arguments (12): lease token, '1' if sent ('0' the call failed, '' no
+-- call was made: the permit is released unused), record ttl ms, job id,
 -- penalty microseconds ('0' = none, else a 429), "now" override in
 -- microseconds (tests only; "" = Redis TIME), whom the penalty pauses
 -- ("tenant" or "route"), the tenant's and the route's audit labels, the
@@ -104,8 +105,10 @@ local function complete(k, a)
     tenant_rate = adapt_learn(k[6], k[7], 'sent', a[6], k[10], a[8], a[10])
     route_rate = adapt_learn(k[8], k[9], 'sent', a[6], k[10], a[9], a[10])
   end
-  local outcome = 'f'
-  if penalty > 0 then outcome = 't' elseif a[2] == '1' then outcome = 's' end
-  count_outcome(k[11], k[12], a[12], outcome, tonumber(a[11]), now_us(a[6]))
+  if a[2] ~= '' then
+    local outcome = 'f'
+    if penalty > 0 then outcome = 't' elseif a[2] == '1' then outcome = 's' end
+    count_outcome(k[11], k[12], a[12], outcome, tonumber(a[11]), now_us(a[6]))
+  end
   return {1, tenant_rate, route_rate}
 end
