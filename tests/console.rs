@@ -522,3 +522,81 @@ async fn an_operator_replays_and_purges_dead_letters_with_a_confirmation() {
     browser.quit().await;
     env.cleanup().await;
 }
+
+/// The console's parked figures, fleet-wide from Redis: a tenant's
+/// scheduled jobs and a job waiting out a 429's Retry-After are counted by
+/// why they wait while their copies sit in a delay tier, and no longer once
+/// they are sent. No browser: this is what the list's "parked" column shows.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn parked_jobs_are_counted_by_why_they_wait_until_they_go() {
+    use tollgate_core::ParkReason;
+    use tollgate_tests::Reply;
+
+    let provider = FakeProvider::start(std::sync::Arc::new(|req, earlier| {
+        if req.tenant == "flaky" && earlier == 0 {
+            Reply::throttled("8")
+        } else {
+            Reply::ok()
+        }
+    }))
+    .await
+    .unwrap();
+    let env = TestEnv::new(&provider.url()).await;
+    let worker = env.spawn_worker().await;
+    env.publish("sched", 5, |a| a.due_in = Some(Duration::from_secs(12)))
+        .await;
+    env.publish("flaky", 1, |_| {}).await;
+
+    wait_for(
+        "the 5 scheduled jobs counted as parked, not due",
+        Duration::from_secs(10),
+        || async { env.activity("sched").await.parked_for(ParkReason::NotDue) == 5 },
+    )
+    .await;
+    let sched = env.activity("sched").await;
+    assert_eq!(sched.parked, [(ParkReason::NotDue, 5)], "{sched:?}");
+    assert_eq!(
+        sched.why_waiting(&Default::default()),
+        "not due yet: 5 scheduled job(s) parked"
+    );
+    wait_for(
+        "the throttled job counted as parked for its Retry-After",
+        Duration::from_secs(10),
+        || async {
+            env.activity("flaky")
+                .await
+                .parked_for(ParkReason::Throttled)
+                == 1
+        },
+    )
+    .await;
+    let addr = env.serve_admin(TOKEN).await;
+    wait_for(
+        "the admin API to show the parked count",
+        Duration::from_secs(10),
+        || async {
+            let page: Value = reqwest::Client::new()
+                .get(format!("http://{addr}/v1/console/tenants?prefix=sched"))
+                .bearer_auth(TOKEN)
+                .send()
+                .await
+                .unwrap()
+                .json()
+                .await
+                .unwrap();
+            page["tenants"][0]["activity"]["parked"] == json!({"not_due": 5})
+        },
+    )
+    .await;
+
+    wait_for("all 6 jobs sent", Duration::from_secs(40), || async {
+        provider.accepted() == 6
+    })
+    .await;
+    for tenant in ["sched", "flaky"] {
+        let after = env.activity(tenant).await;
+        assert!(after.parked.is_empty(), "{tenant}: {after:?}");
+    }
+    worker.stop().await.unwrap();
+    env.cleanup().await;
+}

@@ -1,13 +1,18 @@
 //! What each tenant is doing, fleet-wide, for the console: its sends, 429s
 //! and failures over the last 10 s and 5 minutes (the stats ring that
 //! `complete.lua` keeps), what is in flight, how many jobs wait in its
-//! lines for its quota, and whether a 429's Retry-After holds it. Read only
-//! when someone looks: a handful of commands per tenant, in one pipeline.
+//! lines for its quota, how many of its jobs are parked in a delay tier and
+//! why, and whether a 429's Retry-After holds it. Read only when someone
+//! looks: a handful of commands per tenant, in one pipeline.
+
+use std::time::Duration;
 
 use redis::Value;
-use tollgate_core::TenantId;
+use tollgate_core::{ParkReason, TenantId};
 
 use crate::{QuotaError, QuotaStore, Settings};
+
+pub(crate) static PARKED_LUA: &str = crate::lua!("parked.lua");
 
 /// The stats ring's shape; `complete.lua` writes it the same way.
 const BUCKET_S: i64 = 10;
@@ -31,6 +36,11 @@ pub struct Activity {
     /// out ahead of now), and how far ahead the last place is.
     pub queued: u64,
     pub queued_for_s: f64,
+    /// Copies of the tenant's jobs parked in a delay tier right now, by why
+    /// they wait (reasons with none left out, in [`ParkReason::ALL`]'s
+    /// order); each counted until it is due back, to within a twelfth of
+    /// its hop.
+    pub parked: Vec<(ParkReason, u64)>,
     /// Seconds a provider's Retry-After still holds the tenant (0 = none).
     pub retry_after_s: f64,
     /// How late 95 % of the first attempts of the last 5 minutes went out
@@ -40,11 +50,22 @@ pub struct Activity {
 }
 
 impl Activity {
+    /// Copies parked for `reason` right now.
+    pub fn parked_for(&self, reason: ParkReason) -> u64 {
+        self.parked
+            .iter()
+            .find(|(r, _)| *r == reason)
+            .map_or(0, |&(_, n)| n)
+    }
+
     /// Why the tenant's jobs are waiting right now, the first that applies:
     /// paused, a provider's Retry-After, its concurrency limit, its quota
-    /// (jobs in line), or nothing holds them. Failures the provider answered
-    /// recently are added, as they slow a tenant without holding it.
+    /// (jobs in line), retries backing off, jobs not due yet, or nothing
+    /// holds them. Failures the provider answered recently are added, as
+    /// they slow a tenant without holding it.
     pub fn why_waiting(&self, settings: &Settings) -> String {
+        let retrying =
+            self.parked_for(ParkReason::Backoff) + self.parked_for(ParkReason::Throttled);
         let held = if settings.paused {
             "paused".to_owned()
         } else if self.retry_after_s > 0.0 {
@@ -58,6 +79,13 @@ impl Activity {
             format!(
                 "quota: {} job(s) in line, the last {:.1} s ahead",
                 self.queued, self.queued_for_s
+            )
+        } else if retrying > 0 {
+            format!("retrying: {retrying} job(s) parked, backing off after failures")
+        } else if self.parked_for(ParkReason::NotDue) > 0 {
+            format!(
+                "not due yet: {} scheduled job(s) parked",
+                self.parked_for(ParkReason::NotDue)
             )
         } else {
             "not waiting".to_owned()
@@ -128,7 +156,104 @@ pub(crate) fn ring_sum(fields: &[(String, i64)], kind: &str, now_s: f64, window_
     total
 }
 
+/// Parked copies of one tenant's jobs to count: `copies` parked for
+/// `reason`, due back within the bucket starting at `bucket_ms`
+/// ([`parked_bucket`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ParkedCount {
+    pub tenant: TenantId,
+    pub reason: ParkReason,
+    pub bucket_ms: i64,
+    pub copies: u32,
+}
+
+/// The bucket (its start, unix ms) a copy parked for `hop` and due back at
+/// `back_at_ms` counts in: a twelfth of the hop wide, and at least 100 ms,
+/// so a tenant's parked hash keeps a few dozen fields whatever the tiers. A
+/// copy counts as parked until its bucket starts: never past its return, so
+/// the next hop of the same job is never counted beside it, and short by at
+/// most a twelfth of a hop of a second or more (hops under a second mostly
+/// go uncounted: they are back before anyone looks).
+pub fn parked_bucket(back_at_ms: i64, hop: Duration) -> i64 {
+    let width_ms = (hop.as_millis() as i64 / 12).max(100);
+    back_at_ms.div_euclid(width_ms) * width_ms
+}
+
+/// How long a tenant's parked hash outlives its furthest bucket.
+const PARKED_KEEP_S: i64 = 60;
+
+/// Copies parked right now from a tenant's parked hash, by reason.
+pub(crate) fn parked_now(fields: &[(String, i64)], now_ms: f64) -> Vec<(ParkReason, u64)> {
+    let mut counts = [0u64; ParkReason::ALL.len()];
+    for (field, copies) in fields {
+        let Some((reason, at)) = field.rsplit_once(':') else {
+            continue;
+        };
+        let (Some(reason), Ok(at)) = (ParkReason::parse(reason), at.parse::<i64>()) else {
+            continue;
+        };
+        if at as f64 > now_ms {
+            let i = ParkReason::ALL.iter().position(|r| *r == reason);
+            counts[i.expect("a reason of ALL")] += (*copies).max(0) as u64;
+        }
+    }
+    ParkReason::ALL
+        .into_iter()
+        .zip(counts)
+        .filter(|&(_, n)| n > 0)
+        .collect()
+}
+
 impl QuotaStore {
+    /// Adds `counts` to the tenants' parked hashes (one script call per
+    /// tenant) and keeps the tenants listed as active until their furthest
+    /// copy is back, all in one pipelined round trip. `now_ms` is the caller's
+    /// clock, to keep each hash until its furthest bucket has passed.
+    pub async fn count_parked(
+        &self,
+        counts: &[ParkedCount],
+        now_ms: i64,
+    ) -> Result<(), QuotaError> {
+        if counts.is_empty() {
+            return Ok(());
+        }
+        let script = &self.parked;
+        let mut by_tenant: Vec<(&TenantId, Vec<&ParkedCount>)> = Vec::new();
+        for count in counts {
+            match by_tenant.iter_mut().find(|(t, _)| **t == count.tenant) {
+                Some((_, of_tenant)) => of_tenant.push(count),
+                None => by_tenant.push((&count.tenant, vec![count])),
+            }
+        }
+        let mut pipe = redis::pipe();
+        pipe.load_script(script).ignore();
+        for (tenant, of_tenant) in &by_tenant {
+            let furthest = of_tenant.iter().map(|c| c.bucket_ms).max().unwrap_or(0);
+            let keep = (furthest - now_ms).max(0) / 1_000 + PARKED_KEEP_S;
+            let mut invocation = script.key(self.keys.parked(tenant));
+            invocation.arg(keep);
+            for c in of_tenant {
+                invocation
+                    .arg(format!("{}:{}", c.reason.as_str(), c.bucket_ms))
+                    .arg(c.copies);
+            }
+            pipe.invoke_script(&invocation).ignore();
+            // Listed in the console while its copies are out, even before
+            // its first send.
+            let until_s = furthest.max(now_ms) / 1_000;
+            pipe.cmd("ZADD")
+                .arg(self.keys.active_tenants())
+                .arg("GT")
+                .arg(until_s)
+                .arg(tenant.as_str())
+                .ignore();
+        }
+        let mut conn = self.redis.conn().await?;
+        pipe.query_async::<()>(&mut conn)
+            .await
+            .map_err(|e| self.redis.classify(e))
+    }
+
     /// [`Activity`] for each of `tenants`, in order, in one round trip.
     pub async fn activity(&self, tenants: &[TenantId]) -> Result<Vec<Activity>, QuotaError> {
         if tenants.is_empty() {
@@ -141,6 +266,7 @@ impl QuotaStore {
             pipe.cmd("HGETALL").arg(self.keys.stats(t));
             pipe.cmd("ZCARD").arg(self.keys.in_flight(t));
             pipe.cmd("GET").arg(self.keys.penalty(t));
+            pipe.cmd("HGETALL").arg(self.keys.parked(t));
             for line in [
                 self.keys.waiting(t),
                 self.keys.waiting_high(t),
@@ -166,6 +292,7 @@ impl QuotaStore {
             let stats: Vec<(String, i64)> = redis::from_redis_value(next()?).unwrap_or_default();
             let in_flight: u64 = redis::from_redis_value(next()?).unwrap_or(0);
             let penalty: Option<f64> = redis::from_redis_value(next()?).unwrap_or(None);
+            let parked: Vec<(String, i64)> = redis::from_redis_value(next()?).unwrap_or_default();
             let mut queued = 0.0;
             let mut last = now_us;
             for _ in 0..3 {
@@ -187,6 +314,7 @@ impl QuotaStore {
                 in_flight,
                 queued: queued as u64,
                 queued_for_s: (last - now_us) / 1e6,
+                parked: parked_now(&parked, now_us / 1e3),
                 retry_after_s: penalty.map_or(0.0, |p| ((p - now_us) / 1e6).max(0.0)),
                 due_lag_p95_s: lag_p95(&stats, now_s),
             });
@@ -250,11 +378,62 @@ mod tests {
             "quota: 30 job(s) in line, the last 3.0 s ahead"
         );
         a.queued = 0;
+        a.parked = vec![(ParkReason::NotDue, 7), (ParkReason::Backoff, 2)];
+        assert_eq!(
+            a.why_waiting(&s),
+            "retrying: 2 job(s) parked, backing off after failures"
+        );
+        a.parked = vec![(ParkReason::NotDue, 7)];
+        assert_eq!(a.why_waiting(&s), "not due yet: 7 scheduled job(s) parked");
+        a.parked = vec![];
         a.failed_5m = 4;
         assert_eq!(
             a.why_waiting(&s),
             "not waiting; provider answered 0 × 429 and 4 other failure(s) in 5 min"
         );
+    }
+
+    #[test]
+    fn a_parked_copy_counts_until_the_bucket_of_its_return_begins() {
+        // At least 100 ms wide; a twelfth of hops over 1.2 s.
+        assert_eq!(parked_bucket(10_250, Duration::from_millis(250)), 10_200);
+        assert_eq!(parked_bucket(10_250, Duration::from_secs(1)), 10_200);
+        assert_eq!(parked_bucket(10_250, Duration::from_secs(30)), 10_000);
+        assert_eq!(
+            parked_bucket(1_000_000, Duration::from_secs(3_600)),
+            900_000
+        );
+        // The bucket never starts after the return, so a job's next hop
+        // (parked when it is back) is never counted beside this one.
+        for back in [0, 99, 100, 12_345, 3_599_999] {
+            for hop_ms in [100, 1_000, 5_000, 30_000, 3_600_000] {
+                assert!(parked_bucket(back, Duration::from_millis(hop_ms)) <= back);
+            }
+        }
+    }
+
+    #[test]
+    fn parked_now_counts_the_copies_not_yet_back_by_reason() {
+        let fields: Vec<(String, i64)> = [
+            ("quota:100000", 5),
+            ("quota:101000", 3),
+            ("not_due:130000", 2),
+            ("backoff:99000", 4),
+            ("pruned", 90),
+            ("nonsense:abc", 1),
+        ]
+        .iter()
+        .map(|&(f, n)| (f.to_owned(), n))
+        .collect();
+        assert_eq!(
+            parked_now(&fields, 99_500.0),
+            [(ParkReason::NotDue, 2), (ParkReason::Quota, 8)]
+        );
+        assert_eq!(
+            parked_now(&fields, 100_000.0),
+            [(ParkReason::NotDue, 2), (ParkReason::Quota, 3)]
+        );
+        assert!(parked_now(&fields, 130_000.0).is_empty());
     }
 
     #[test]

@@ -87,6 +87,12 @@ impl Keys {
         self.tenant_key("stats", tenant)
     }
 
+    /// Hash of the tenant's parked copies by reason and when they come back
+    /// (`parked.lua`), for the console.
+    pub fn parked(&self, tenant: &TenantId) -> String {
+        self.tenant_key("parked", tenant)
+    }
+
     pub fn shadow_tat(&self, tenant: &TenantId) -> String {
         self.tenant_key("shadow-tat", tenant)
     }

@@ -24,7 +24,7 @@ mod keys;
 mod permit;
 mod store;
 
-pub use activity::Activity;
+pub use activity::{Activity, ParkedCount, parked_bucket};
 pub use conn::{Redis, RedisSettings};
 pub use keys::Keys;
 pub use permit::{PermitSettings, RedisPermits, Reply, SharePlaces};

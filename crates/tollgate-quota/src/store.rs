@@ -320,6 +320,7 @@ pub struct QuotaStore {
     pub(crate) redis: Arc<Redis>,
     pub(crate) keys: Keys,
     change: Script,
+    pub(crate) parked: Script,
 }
 
 impl QuotaStore {
@@ -328,6 +329,7 @@ impl QuotaStore {
             redis,
             keys,
             change: Script::new(CHANGE_LUA),
+            parked: Script::new(crate::activity::PARKED_LUA),
         }
     }
 

@@ -12,6 +12,7 @@ pub mod commit;
 pub mod health;
 pub mod holds;
 pub mod metrics;
+pub mod parked;
 pub mod settings;
 pub mod system_clock;
 pub mod throttles;

@@ -41,6 +41,7 @@ use crate::commit::{CommitGate, Commitment, Shield};
 use crate::health::Dependency;
 use crate::holds::HoldGate;
 use crate::metrics::{Metrics, UNKNOWN_TENANT};
+use crate::parked::{FLUSH_EVERY, ParkTally};
 use crate::settings::WorkerSettings;
 use crate::system_clock::SystemClock;
 use crate::throttles::LocalThrottles;
@@ -99,6 +100,8 @@ pub struct Worker<P, V> {
     quotas: QuotaStore,
     /// Re-seeds the quota baseline into Redis when quotas go missing.
     seeder: std::sync::Mutex<Option<Seeder>>,
+    /// Parks not yet counted in Redis (the console's parked figures).
+    parked: ParkTally,
 }
 
 /// The quota baseline and how often to make sure Redis holds it.
@@ -187,6 +190,7 @@ impl LiveWorker {
             holds: HoldGate::new(s.tenant_hold_max),
             throttles: LocalThrottles::default(),
             seeder: std::sync::Mutex::new(seeder),
+            parked: ParkTally::default(),
             quotas: store(),
             ceiling: s.pod_max_rate.map(|rate| {
                 let period = Duration::from_micros(rate.interval_micros());
@@ -347,6 +351,7 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
         let seeder = self.seeder.lock().expect("not poisoned").take();
         let seeding = seeder.map(|seeder| tokio::spawn(seeder.run(self.stopping.subscribe())));
         let watching = tokio::spawn(Arc::clone(&self).watch_redis());
+        let counting = tokio::spawn(Arc::clone(&self).count_parked());
         let last = loop {
             match self.session(&mut tasks, &mut shutdown).await {
                 Ok(SessionEnd::Shutdown(control, broker)) => break Some((control, broker)),
@@ -394,6 +399,9 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
         }
         let left = tasks.len();
         tasks.abort_all();
+        // The parks of the drain too.
+        let _ = counting.await;
+        self.flush_parked().await;
         if let Some((control, broker)) = last {
             control.close().await;
             broker.close().await;
@@ -418,6 +426,32 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
                 () = tokio::time::sleep(Duration::from_secs(2)) => {}
                 _ = stopping.wait_for(|&s| s) => return,
             }
+        }
+    }
+
+    /// Adds this pod's parks to the fleet-wide counts every
+    /// [`FLUSH_EVERY`] until the worker stops.
+    async fn count_parked(self: Arc<Self>) {
+        let mut stopping = self.stopping.subscribe();
+        loop {
+            tokio::select! {
+                () = tokio::time::sleep(FLUSH_EVERY) => {}
+                _ = stopping.wait_for(|&s| s) => return,
+            }
+            self.flush_parked().await;
+        }
+    }
+
+    async fn flush_parked(&self) {
+        let now = self.clock.now();
+        let counts = self.parked.take(now);
+        if counts.is_empty() {
+            return;
+        }
+        if let Err(e) = self.quotas.count_parked(&counts, now.0).await {
+            // A console figure: kept for the next try, never in a job's way.
+            debug!(error = %e, "counting parked jobs in Redis");
+            self.parked.restore(counts);
         }
     }
 
@@ -777,6 +811,8 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
                     })
                     .await?;
                     self.metrics.tier_publish(tier);
+                    self.parked
+                        .add(&job.tenant, reason, now.saturating_add(tier), tier);
                     if !hop {
                         self.metrics.parked(tenant, reason);
                         self.log_decision(

@@ -395,6 +395,7 @@ async fn tenant_page(State(state): State<AdminState>, Query(q): Query<PageQuery>
             "in_flight": activity.in_flight,
             "queued": activity.queued,
             "queued_for_s": activity.queued_for_s,
+            "parked": activity.parked.iter().map(|(r, n)| (r.as_str().to_owned(), json!(n))).collect::<serde_json::Map<_, _>>(),
             "retry_after_s": activity.retry_after_s,
             "due_lag_p95_s": activity.due_lag_p95_s.map(|s| if s.is_finite() { json!(s) } else { json!("over 10 s") }),
         });

@@ -154,6 +154,14 @@
     }
   }
 
+  // "12: quota 10, not due 2", from the parked copies by reason.
+  function parkedText(parked) {
+    const reasons = Object.keys(parked);
+    const total = reasons.reduce((sum, r) => sum + parked[r], 0);
+    if (!total) return "0";
+    return total + ": " + reasons.map((r) => r.replace("_", " ") + " " + parked[r]).join(", ");
+  }
+
   async function loadList() {
     const query = new URLSearchParams({
       prefix: view.prefix,
@@ -179,6 +187,7 @@
       row.appendChild(el("td", lagText(a.due_lag_p95_s)));
       row.appendChild(el("td", a.in_flight));
       row.appendChild(el("td", a.queued ? a.queued + " (" + a.queued_for_s.toFixed(1) + " s)" : "0"));
+      row.appendChild(el("td", parkedText(a.parked)));
       row.appendChild(el("td", t.waiting, "why"));
       row.appendChild(stateTags(t));
       row.appendChild(el("td", t.updated_by || ""));
