@@ -954,3 +954,52 @@ async fn a_worker_logs_redis_going_away_and_coming_back() {
     );
     env.cleanup().await;
 }
+
+/// A dead-letter read takes each letter and puts a copy back, so two reads
+/// at once (two operators, or the console and the CLI) used to see part of
+/// the queue each, and a purge during a read missed the letters the read
+/// held. They now run one at a time across the installation.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_letter_reads_and_purges_at_once_each_see_the_whole_queue() {
+    const LETTERS: usize = 150;
+    let provider = FakeProvider::start(Arc::new(|_: &Received, _| Reply::status(422)))
+        .await
+        .unwrap();
+    let env = TestEnv::new(&provider.url()).await;
+    env.set_quota("acme", "1000/s", 100).await;
+    let worker = env.spawn_worker().await;
+    let jobs = env.publish("acme", LETTERS as u32, |_| {}).await;
+    wait_for("every job dead", Duration::from_secs(30), || async {
+        env.dead_letters().await.len() == LETTERS
+    })
+    .await;
+    worker.stop().await.unwrap();
+
+    let published: HashSet<String> = jobs.iter().map(|j| j.id.to_string()).collect();
+    let (a, b) = tokio::join!(
+        tollgate::cli::dlq_summary(&env.config, 10_000),
+        tollgate::cli::dlq_summary(&env.config, 10_000),
+    );
+    for summary in [a.unwrap(), b.unwrap()] {
+        let seen: HashSet<String> = summary.newest.iter().map(|l| l.job_id.clone()).collect();
+        assert_eq!(summary.newest.len(), LETTERS, "each letter read once");
+        assert_eq!(seen, published, "every letter read");
+    }
+
+    let (read, purged) = tokio::join!(
+        tollgate::cli::dlq_summary(&env.config, 10_000),
+        tollgate::cli::dlq_purge(&env.config, |_, _| Ok(true)),
+    );
+    let read: usize = read.unwrap().counts.values().sum();
+    let purged = purged.unwrap() as usize;
+    assert!(
+        read == LETTERS || read == 0,
+        "the read ran wholly before or after the purge: {read}"
+    );
+    assert_eq!(purged, LETTERS, "the purge took every letter");
+    assert!(
+        env.dead_letters().await.is_empty(),
+        "nothing the read held survived the purge"
+    );
+    env.cleanup().await;
+}

@@ -190,6 +190,11 @@ impl Keys {
     }
 
     /// Stream of every quota change: who, when, old → new.
+    /// String: who holds the fleet-wide lock `name` (expires).
+    pub fn lock(&self, name: &str) -> String {
+        format!("{}:lock:{name}", self.prefix)
+    }
+
     pub fn audit(&self) -> String {
         format!("{}:audit", self.prefix)
     }

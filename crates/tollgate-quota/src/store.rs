@@ -14,6 +14,12 @@ use tollgate_core::{Adaptive, IdempotencyKey, JobId, Kind, Learning, Quota, Rate
 use crate::{Keys, QuotaError, Redis};
 
 static CHANGE_LUA: &str = crate::lua!("change.lua");
+/// Extends (ARGV[2] ms) or, with 0, deletes a lock still held by ARGV[1].
+static RENEW_LOCK_LUA: &str = r"
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+if ARGV[2] == '0' then redis.call('DEL', KEYS[1]) else redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+return 1
+";
 
 /// Audit entries kept (approximately; older ones are trimmed).
 pub(crate) const AUDIT_MAX_LEN: u32 = 100_000;
@@ -653,6 +659,68 @@ impl QuotaStore {
         pipe.query_async::<()>(&mut conn)
             .await
             .map_err(|e| self.redis.classify(e))
+    }
+
+    /// Takes the fleet-wide lock `name` for `holder` for `ttl`, unless someone
+    /// holds it: `Ok(Err(holder))` names who does. The lock is released by
+    /// [`QuotaStore::unlock`] or lapses after `ttl` (renewed with
+    /// [`QuotaStore::renew_lock`]).
+    pub async fn try_lock(
+        &self,
+        name: &str,
+        holder: &str,
+        ttl: Duration,
+    ) -> Result<Result<(), String>, QuotaError> {
+        let mut conn = self.redis.conn().await?;
+        let key = self.keys.lock(name);
+        let (taken, current): (Option<String>, Option<String>) = redis::pipe()
+            .cmd("SET")
+            .arg(&key)
+            .arg(holder)
+            .arg("NX")
+            .arg("PX")
+            .arg(ttl.as_millis() as u64)
+            .cmd("GET")
+            .arg(&key)
+            .query_async(&mut conn)
+            .await
+            .map_err(|e| self.redis.classify(e))?;
+        Ok(match taken {
+            Some(_) => Ok(()),
+            None => Err(current.unwrap_or_else(|| "someone".into())),
+        })
+    }
+
+    /// Extends the lock `name` by `ttl` if `holder` still holds it; false
+    /// when it lapsed (or someone else took it since).
+    pub async fn renew_lock(
+        &self,
+        name: &str,
+        holder: &str,
+        ttl: Duration,
+    ) -> Result<bool, QuotaError> {
+        let mut conn = self.redis.conn().await?;
+        let renewed: i64 = Script::new(RENEW_LOCK_LUA)
+            .key(self.keys.lock(name))
+            .arg(holder)
+            .arg(ttl.as_millis() as u64)
+            .invoke_async(&mut conn)
+            .await
+            .map_err(|e| self.redis.classify(e))?;
+        Ok(renewed == 1)
+    }
+
+    /// Releases the lock `name` if `holder` still holds it.
+    pub async fn unlock(&self, name: &str, holder: &str) -> Result<(), QuotaError> {
+        let mut conn = self.redis.conn().await?;
+        Script::new(RENEW_LOCK_LUA)
+            .key(self.keys.lock(name))
+            .arg(holder)
+            .arg(0)
+            .invoke_async::<i64>(&mut conn)
+            .await
+            .map_err(|e| self.redis.classify(e))?;
+        Ok(())
     }
 
     /// Redis's clock, in milliseconds (every pod agrees on it).

@@ -885,8 +885,71 @@ pub struct DlqSummary {
     pub newest: Vec<DeadLetter>,
 }
 
+/// The installation's dead-letter lock, and how long one holder keeps it
+/// without renewing and how long another waits for it.
+const DLQ_LOCK: &str = "dlq";
+const DLQ_LOCK_TTL: Duration = Duration::from_secs(30);
+const DLQ_LOCK_WAIT: Duration = Duration::from_secs(20);
+
+/// Runs a dead-letter read, replay or purge once no other one runs, from
+/// any pod or CLI. A read takes each letter and puts a copy back, so two at
+/// once would each see part of the queue, and a purge would miss the
+/// letters a read holds. The lock is in Redis, renewed while `op` runs;
+/// when Redis cannot be reached, `op` runs unguarded (the dead letters stay
+/// readable while Redis is down) with a warning.
+async fn one_at_a_time<T>(
+    config: &Config,
+    op: impl Future<Output = anyhow::Result<T>>,
+) -> anyhow::Result<T> {
+    let store = quota_store(config)?;
+    let holder = format!(
+        "{} (pid {}, {:08x})",
+        std::env::var("HOSTNAME").unwrap_or_else(|_| "a host".into()),
+        std::process::id(),
+        rand::random::<u32>()
+    );
+    let give_up = tokio::time::Instant::now() + DLQ_LOCK_WAIT;
+    let guarded = loop {
+        match store.try_lock(DLQ_LOCK, &holder, DLQ_LOCK_TTL).await {
+            Ok(Ok(())) => break true,
+            Ok(Err(_)) if tokio::time::Instant::now() < give_up => {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Ok(Err(other)) => bail!(
+                "the dead-letter queue is busy: another read, replay or purge, by {other}, has \
+                 run for over {} s; try again when it ends",
+                DLQ_LOCK_WAIT.as_secs()
+            ),
+            Err(e) => {
+                tracing::warn!(
+                    error = %e,
+                    "could not take the dead-letter lock in Redis: going ahead unguarded"
+                );
+                break false;
+            }
+        }
+    };
+    tokio::pin!(op);
+    let result = loop {
+        tokio::select! {
+            result = &mut op => break result,
+            () = tokio::time::sleep(DLQ_LOCK_TTL / 3), if guarded => {
+                let _ = store.renew_lock(DLQ_LOCK, &holder, DLQ_LOCK_TTL).await;
+            }
+        }
+    };
+    if guarded {
+        let _ = store.unlock(DLQ_LOCK, &holder).await;
+    }
+    result
+}
+
 /// Reads the dead-letter queue without taking anything out of it.
 pub async fn dlq_summary(config: &Config, scan: usize) -> anyhow::Result<DlqSummary> {
+    one_at_a_time(config, read_dlq(config, scan)).await
+}
+
+async fn read_dlq(config: &Config, scan: usize) -> anyhow::Result<DlqSummary> {
     let broker = connect_broker(config, "dlq").await?;
     let queue = broker.topology().dead_queue();
     let depth = broker.queue_depth(&queue).await?;
@@ -916,6 +979,15 @@ pub async fn dlq_summary(config: &Config, scan: usize) -> anyhow::Result<DlqSumm
 /// back to be processed again. Returns (replayed, left in the queue, the
 /// queue).
 pub async fn dlq_replay(
+    config: &Config,
+    reason: Option<DeadReason>,
+    tenant: Option<&str>,
+    limit: usize,
+) -> anyhow::Result<(usize, usize, String)> {
+    one_at_a_time(config, replay_dlq(config, reason, tenant, limit)).await
+}
+
+async fn replay_dlq(
     config: &Config,
     reason: Option<DeadReason>,
     tenant: Option<&str>,
@@ -955,9 +1027,9 @@ pub async fn dlq_purge(
         confirmed?;
         bail!("not confirmed; nothing deleted");
     }
-    let purged = broker.purge(&queue).await;
+    let purged = one_at_a_time(config, async { Ok(broker.purge(&queue).await?) }).await;
     broker.close().await;
-    Ok(purged?)
+    purged
 }
 
 pub async fn dlq(config: &Config, command: &DlqCommand) -> anyhow::Result<()> {
