@@ -497,7 +497,14 @@ impl JobRun {
         }
         let remaining = now.until(until);
         let hop = match reason {
-            ParkReason::Quota => remaining.min((remaining / 2).max(policy.quota_recheck)),
+            // A quota wait's last hop leaves at least half of `hold_max` to
+            // be held: a job late for its place loses it (the slot passes
+            // with nobody to take it), and returning copies of a backlog
+            // come back in herds that queue ahead of it for a few hundred
+            // ms.
+            ParkReason::Quota => remaining
+                .min((remaining / 2).max(policy.quota_recheck))
+                .min(remaining.saturating_sub(policy.hold_max / 2)),
             _ => remaining,
         };
         match policy.tiers.pick(hop) {
@@ -753,6 +760,41 @@ mod tests {
             }
         );
         assert_eq!(back.next(&p, at(7_500)), Action::CheckEligibility);
+    }
+
+    #[test]
+    fn a_quota_waits_last_hop_leaves_half_of_hold_max_to_hold() {
+        let p = policy();
+        let denied = |retry_in_ms| PermitDecision::Denied {
+            retry_in: Duration::from_millis(retry_in_ms),
+            interval: Some(Duration::from_millis(125)),
+            kept: false,
+            share_place: None,
+        };
+        let first = |retry_in_ms| {
+            let mut run = JobRun::new(&job(""), Progress::default(), T0);
+            run.next(&p, T0);
+            run.on_permit(&p, denied(retry_in_ms), T0, 0.5)
+        };
+        // 5.2 s to its place: not the 5 s tier (back 0.2 s before it, late
+        // behind any herd of returning copies) but the 1 s tier.
+        assert!(matches!(
+            first(5_200),
+            Action::Park { tier, .. } if tier == Duration::from_secs(1)
+        ));
+        // 1.4 s: no tier leaves 0.5 s (of `hold_max` 1 s), so it is held.
+        assert_eq!(
+            first(1_400),
+            Action::Hold {
+                until: at(1_400),
+                reason: ParkReason::Quota
+            }
+        );
+        // 2.2 s: the 1 s tier, back with 1.2 s to go (then held or hops).
+        assert!(matches!(
+            first(2_200),
+            Action::Park { tier, .. } if tier == Duration::from_secs(1)
+        ));
     }
 
     #[test]

@@ -161,8 +161,9 @@ impl Keys {
     }
 
     /// Sorted set: tenant -> when its current 10 s stats bucket began
-    /// (seconds), for the tenants with outcomes in the last 10 minutes
-    /// (`complete.lua`): the console lists them beside those with settings.
+    /// (seconds, `complete.lua`), or when its furthest parked copy is back
+    /// if later (`QuotaStore::count_parked`): the console lists the tenants
+    /// active in the last 10 minutes beside those with settings.
     pub fn active_tenants(&self) -> String {
         format!("{}:active-tenants", self.prefix)
     }
@@ -189,12 +190,12 @@ impl Keys {
         format!("{}:work-queues", self.prefix)
     }
 
-    /// Stream of every quota change: who, when, old → new.
     /// String: who holds the fleet-wide lock `name` (expires).
     pub fn lock(&self, name: &str) -> String {
         format!("{}:lock:{name}", self.prefix)
     }
 
+    /// Stream of every quota change: who, when, old → new.
     pub fn audit(&self) -> String {
         format!("{}:audit", self.prefix)
     }

@@ -24,6 +24,8 @@ const TENANT: &str = "learner";
 const PHASES: [(u32, u64); 3] = [(8, 60), (12, 40), (4, 30)];
 /// A phase's steady part: from this many seconds into it to its end.
 const SETTLED_AFTER: u64 = 30;
+/// The tiers whose parks the per-second trace shows.
+const TRACED_TIERS: [&str; 7] = ["100ms", "250ms", "500ms", "1s", "5s", "30s", "2m"];
 /// Windows over which the achieved rate is judged.
 const WINDOW: Duration = Duration::from_secs(5);
 
@@ -100,9 +102,23 @@ async fn one(base: &Config, setting: Setting) -> anyhow::Result<Scenario> {
         source: "cli",
     };
     rig.store.apply(&target, change, &actor).await?;
+    let mut ports = Vec::new();
     for _ in 0..PROCESSES {
-        rig.spawn_process(&[]).await?;
+        ports.push(rig.spawn_process(&[]).await?.http_port);
     }
+    // Parks per tier over the fleet, for the per-second trace: herds of
+    // copies coming back from a tier show as spikes.
+    let parks = async |ports: &[u16]| -> Vec<f64> {
+        let mut by_tier = vec![0.0; TRACED_TIERS.len()];
+        for &port in ports {
+            for (i, tier) in TRACED_TIERS.iter().enumerate() {
+                let series = format!("tollgate_tier_publishes_total{{tier=\"{tier}\"}}");
+                by_tier[i] += super::rig::scrape(port, &series).await.unwrap_or(0.0);
+            }
+        }
+        by_tier
+    };
+    let mut parked_before = parks(&ports).await;
     rig.publish(TENANT, BACKLOG, None, "{}").await?;
     rig.until_accepted(1, Duration::from_secs(30)).await?;
     let start = Instant::now();
@@ -124,12 +140,22 @@ async fn one(base: &Config, setting: Setting) -> anyhow::Result<Scenario> {
                 .into_iter()
                 .filter(|r| now.duration_since(r.instant) < Duration::from_secs(1))
                 .collect();
+            let parked = parks(&ports).await;
+            let hops: Vec<String> = parked
+                .iter()
+                .zip(&parked_before)
+                .map(|(now, before)| format!("{}", now - before))
+                .collect();
+            parked_before = parked;
             progress(&format!(
-                "  {:>5.1} s  provider allows {per_s}/s  effective {}  accepted {}  429s {}",
+                "  {:>5.1} s  provider allows {per_s}/s  effective {}  accepted {}  429s {}  \
+                 parks {}: {}",
                 now.duration_since(start).as_secs_f64(),
                 effective.map_or("-".into(), tollgate_quota::per_second),
                 last.iter().filter(|r| r.status == 200).count(),
                 last.iter().filter(|r| r.status == 429).count(),
+                TRACED_TIERS.join("/"),
+                hops.join("/"),
             ));
         }
         let effective = rig.store.get(&target).await?.and_then(|s| s.effective);
