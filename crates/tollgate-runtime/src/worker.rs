@@ -399,9 +399,10 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
         }
         let left = tasks.len();
         tasks.abort_all();
-        // The parks of the drain too.
+        // The parks of the drain too, if Redis answers at once: a console
+        // figure never holds up a shutdown.
         let _ = counting.await;
-        self.flush_parked().await;
+        let _ = tokio::time::timeout(Duration::from_secs(1), self.flush_parked()).await;
         if let Some((control, broker)) = last {
             control.close().await;
             broker.close().await;
