@@ -463,8 +463,8 @@ async fn an_operator_replays_and_purges_dead_letters_with_a_confirmation() {
         .click("#dlq-counts tbody tr:first-child button")
         .await;
     browser.until_text("#dlq-ok", "Replayed 2; 1 left.").await;
-    // The console reads the queue again after the replay; a read takes the
-    // letters out of sight until it puts them back, so wait for it.
+    // The console reads the queue again after the replay; reads take
+    // turns, so this one sees the whole queue before or after it.
     wait_for("one dead letter left", PATIENCE, || async {
         env.dead_letters().await.len() == 1
     })

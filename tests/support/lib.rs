@@ -208,14 +208,13 @@ impl TestEnv {
         total
     }
 
+    /// The dead letters in queue order, read as the CLI and the console
+    /// read them (one read at a time: a read takes each letter and puts a
+    /// copy back, so a test's read beside the console's would see part).
     pub async fn dead_letters(&self) -> Vec<DeadLetter> {
-        self.broker
-            .peek_dead_letters(10_000)
+        cli::dlq_letters(&self.config, 10_000)
             .await
-            .expect("peek DLQ")
-            .iter()
-            .map(cli::describe_dead_letter)
-            .collect()
+            .expect("read the DLQ")
     }
 
     /// A connection of the test's own, and a channel on it, for what

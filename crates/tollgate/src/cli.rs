@@ -946,20 +946,7 @@ async fn one_at_a_time<T>(
 
 /// Reads the dead-letter queue without taking anything out of it.
 pub async fn dlq_summary(config: &Config, scan: usize) -> anyhow::Result<DlqSummary> {
-    one_at_a_time(config, read_dlq(config, scan)).await
-}
-
-async fn read_dlq(config: &Config, scan: usize) -> anyhow::Result<DlqSummary> {
-    let broker = connect_broker(config, "dlq").await?;
-    let queue = broker.topology().dead_queue();
-    let depth = broker.queue_depth(&queue).await?;
-    let mut newest: Vec<DeadLetter> = broker
-        .peek_dead_letters(scan)
-        .await?
-        .iter()
-        .map(describe_dead_letter)
-        .collect();
-    broker.close().await;
+    let (queue, depth, mut newest) = one_at_a_time(config, read_dlq(config, scan)).await?;
     let mut counts = std::collections::BTreeMap::<(String, String), usize>::new();
     for l in &newest {
         *counts
@@ -973,6 +960,27 @@ async fn read_dlq(config: &Config, scan: usize) -> anyhow::Result<DlqSummary> {
         counts,
         newest,
     })
+}
+
+/// The first `scan` dead letters in queue order, read as [`dlq_summary`]
+/// reads them: one read, replay or purge at a time.
+pub async fn dlq_letters(config: &Config, scan: usize) -> anyhow::Result<Vec<DeadLetter>> {
+    Ok(one_at_a_time(config, read_dlq(config, scan)).await?.2)
+}
+
+/// The dead-letter queue's name, its depth and its first `scan` letters.
+async fn read_dlq(config: &Config, scan: usize) -> anyhow::Result<(String, u32, Vec<DeadLetter>)> {
+    let broker = connect_broker(config, "dlq").await?;
+    let queue = broker.topology().dead_queue();
+    let read = async {
+        let depth = broker.queue_depth(&queue).await?;
+        let letters = broker.peek_dead_letters(scan).await?;
+        anyhow::Ok((depth, letters.iter().map(describe_dead_letter).collect()))
+    }
+    .await;
+    broker.close().await;
+    let (depth, letters) = read?;
+    Ok((queue, depth, letters))
 }
 
 /// Sends the dead letters matching `reason` and `tenant` (at most `limit`)
