@@ -218,16 +218,12 @@ impl QuotaStore {
             return Ok(());
         }
         let script = &self.parked;
-        let mut by_tenant: Vec<(&TenantId, Vec<&ParkedCount>)> = Vec::new();
-        for count in counts {
-            match by_tenant.iter_mut().find(|(t, _)| **t == count.tenant) {
-                Some((_, of_tenant)) => of_tenant.push(count),
-                None => by_tenant.push((&count.tenant, vec![count])),
-            }
-        }
+        let mut sorted: Vec<&ParkedCount> = counts.iter().collect();
+        sorted.sort_by_key(|c| c.tenant.as_str());
         let mut pipe = redis::pipe();
         pipe.load_script(script).ignore();
-        for (tenant, of_tenant) in &by_tenant {
+        for of_tenant in sorted.chunk_by(|a, b| a.tenant == b.tenant) {
+            let tenant = &of_tenant[0].tenant;
             let furthest = of_tenant.iter().map(|c| c.bucket_ms).max().unwrap_or(0);
             let keep = (furthest - now_ms).max(0) / 1_000 + PARKED_KEEP_S;
             let mut invocation = script.key(self.keys.parked(tenant));

@@ -930,11 +930,19 @@ async fn one_at_a_time<T>(
         }
     };
     tokio::pin!(op);
+    let mut renewing = guarded;
     let result = loop {
         tokio::select! {
             result = &mut op => break result,
-            () = tokio::time::sleep(DLQ_LOCK_TTL / 3), if guarded => {
-                let _ = store.renew_lock(DLQ_LOCK, &holder, DLQ_LOCK_TTL).await;
+            () = tokio::time::sleep(DLQ_LOCK_TTL / 3), if renewing => {
+                if let Ok(false) = store.renew_lock(DLQ_LOCK, &holder, DLQ_LOCK_TTL).await {
+                    renewing = false;
+                    tracing::warn!(
+                        "the dead-letter lock lapsed (Redis lost it or could not be reached \
+                         for {} s): another read, replay or purge may now run beside this one",
+                        DLQ_LOCK_TTL.as_secs()
+                    );
+                }
             }
         }
     };
