@@ -459,9 +459,14 @@ fn test_actor() -> tollgate_quota::Actor {
 /// Gives the route `email` a quota of 30/s burst 1 (sends at least 33,333 µs
 /// apart) and returns it.
 async fn route_of_30_per_second(quotas: &QuotaStore) -> Kind {
+    route_of(quotas, "30/s").await
+}
+
+/// Gives the route `email` a quota of `rate` burst 1 and returns it.
+async fn route_of(quotas: &QuotaStore, rate: &str) -> Kind {
     let route = Kind::parse("email").unwrap();
     let change = tollgate_quota::Change::SetQuota {
-        quota: Quota::new("30/s".parse().unwrap(), 1).unwrap(),
+        quota: Quota::new(rate.parse().unwrap(), 1).unwrap(),
         concurrency: None,
         weight: None,
         adaptive: None,
@@ -561,6 +566,123 @@ fn a_shared_route_divides_among_its_tenants_by_weight() {
 #[test]
 fn shares_follow_the_weights_when_tenants_start_one_after_another() {
     assert_shares_follow_weights(shares_by_weight(150, [0, 1_000_000, 2_000_000]));
+}
+
+/// Two tenants whose own quotas (10/s) hold them far below a route of
+/// 1000/s: neither can use its share, so neither is counted for more than
+/// it uses, and when one finishes the other's counted weight jumps back to
+/// its own. The places it was given on its share line before the jump are
+/// re-spaced with it: its backlog goes on at its own quota, not at the
+/// spacing of the tiny weight it was counted with (once 140 s for 7 jobs).
+#[test]
+fn a_tenant_below_its_share_keeps_its_pace_when_the_others_leave() {
+    let (big, small) = (30, 10);
+    let (sends, jobs) = runtime().block_on(async {
+        let (permits, quotas) = stores(Quota::new("10/s".parse().unwrap(), 1).unwrap());
+        let route = route_of(&quotas, "1000/s").await;
+        let (a, b) = (TenantId::parse("a").unwrap(), TenantId::parse("b").unwrap());
+        let job = |tenant: &TenantId, arrives| Simulated {
+            tenant: tenant.clone(),
+            priority: tollgate_core::Priority::Normal,
+            arrives,
+        };
+        // a's jobs arrive one every 50 ms, twice its quota; b's 10 at once.
+        let mut jobs: Vec<Simulated> = (0..big).map(|i| job(&a, i * 50_000)).collect();
+        jobs.extend((0..small).map(|i| job(&b, 50 + i * 100)));
+        let sends = simulate(&permits, &route, &jobs, |_| 0).await;
+        quotas.purge_prefix().await.unwrap();
+        (sends, jobs)
+    });
+    assert_eq!(sends.len(), jobs.len(), "every job is sent once");
+    let mut of_a: Vec<u64> = sends
+        .iter()
+        .filter(|&&(_, i)| i < big as usize)
+        .map(|&(at, _)| at)
+        .collect();
+    of_a.sort_unstable();
+    // 10/s with the 2 % pacing margin: 102 ms apart; a job that loses its
+    // slot goes to the back of the line, so allow a few lost slots.
+    let paced = 102_000;
+    for w in of_a.windows(2) {
+        assert!(
+            w[1] - w[0] >= 100_000,
+            "a's sends closer than its quota: {of_a:?}"
+        );
+    }
+    let last = *of_a.last().unwrap();
+    assert!(
+        last <= (big + 5) * paced,
+        "a's {big} jobs took {last} µs at 10/s (sends {of_a:?})"
+    );
+}
+
+/// A job that comes back for a place given on its share of a route, or with
+/// the share's spacing, finds its tenant's own line in the way: its place
+/// is never re-spaced with the share's spacing (2 ms when every tenant of a
+/// 1000/s route is held far below it by its own quota) as if the tenant's
+/// 10/s quota had changed, which once sent such a job 236 s away; and no
+/// kept place lies beyond the line's next free place, whatever the job
+/// brings back.
+#[test]
+fn a_place_from_the_share_line_is_not_respaced_as_the_tenants() {
+    runtime().block_on(async {
+        let (permits, quotas) = stores(Quota::new("1000/s".parse().unwrap(), 1).unwrap());
+        let route = route_of(&quotas, "1000/s").await;
+        let tenant = TenantId::parse("a").unwrap();
+        let target = tollgate_quota::Target::Tenant(tenant.clone());
+        let change = tollgate_quota::Change::SetQuota {
+            quota: Quota::new("10/s".parse().unwrap(), 1).unwrap(),
+            concurrency: None,
+            weight: None,
+            adaptive: None,
+        };
+        quotas.apply(&target, change, &test_actor()).await.unwrap();
+        // Decisions 5 s after the quota was stored (Redis time), so a place
+        // re-spaced "since the change" would move 5 s × the ratio.
+        let stored = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_micros() as u64;
+        let now = stored + 5_000_000;
+        let ids: Vec<JobId> = (0..6)
+            .map(|i| JobId::parse(format!("j{i}")).unwrap())
+            .collect();
+        let keys: Vec<IdempotencyKey> = ids.iter().map(IdempotencyKey::from).collect();
+        // Four fresh jobs: three within the 250 ms horizon (0, 100, 200 ms),
+        // the fourth a place at 300 ms; the line's next free place is 400 ms.
+        for i in 0..4 {
+            permits
+                .decide(request(&tenant, &route, &ids[i], &keys[i]), 1, Some(now))
+                .await
+                .unwrap();
+        }
+        let share_spacing = Duration::from_micros(2_020);
+        // The first goes to the back of the line (400 ms), the second's
+        // place is at most the line's next free one (500 ms).
+        for (i, share_place, within) in [(4, Some(0), 400), (5, None, 500)] {
+            let req = PermitRequest {
+                returning: Some(tollgate_core::ports::Returning {
+                    remaining: Duration::from_millis(10),
+                    interval: Some(share_spacing),
+                    share_place,
+                }),
+                ..request(&tenant, &route, &ids[i], &keys[i])
+            };
+            match permits.decide(req, 1, Some(now)).await.unwrap() {
+                Reply::Denied { retry_in, .. } => assert!(
+                    retry_in <= Duration::from_millis(within),
+                    "back for a place {} the share line: told to wait {retry_in:?}",
+                    if share_place.is_some() {
+                        "on"
+                    } else {
+                        "spaced like"
+                    }
+                ),
+                other => panic!("{other:?}"),
+            }
+        }
+        quotas.purge_prefix().await.unwrap();
+    });
 }
 
 /// A tenant with a few jobs on a route shared with a tenant whose backlog

@@ -374,7 +374,11 @@ local function permit(KEYS, ARGV)
       return reply
     end
     if share_place then
+      -- Never beyond the line's next free place: every place handed out lies
+      -- before it, whatever the weights did since.
       local place = share[4].real(share_place)
+      local head = line_at(route_share_key, share)
+      if head and place > head then place, share_place = head, share[4].virtual(head) end
       if place - now > 2 * reserve then
         return on_share({1, math.ceil(place - reserve - now), math.floor(share[1]), 1, 1}, share_place)
       end
@@ -396,7 +400,13 @@ local function permit(KEYS, ARGV)
         -- back: `reserve` before the slot itself.) A place on the share line
         -- has come (above).
         if b ~= share then
-          local place = respace(now + remaining, tonumber(returning_interval_us), b)
+          -- The spacing a place on the share line came with is the share's:
+          -- it says nothing of the tenant's line, so such a place is taken
+          -- as it is. And never beyond its line's next free place.
+          local carried = not tonumber(returning_share_place) and tonumber(returning_interval_us) or nil
+          local place = respace(now + remaining, carried, b)
+          local head = line_at(lines[rank], tenant)
+          if head and place > head then place = head end
           if place - now > reserve then
             return {1, math.ceil(place - now), math.floor(b[1]), 1, 1}
           end
@@ -414,9 +424,10 @@ local function permit(KEYS, ARGV)
           -- Its share's place has come and the route is busy past the window
           -- (other tenants' places fell close together): it keeps its turn and
           -- asks again as the route frees.
-          local reply = {1, math.ceil(math.max(route_delay - reserve, route[1])), math.floor(b[1]), 1, 1}
-          if share_place then return on_share(reply, share_place) end
-          return reply
+          -- Its place is now on the share line (its spacing is the share's).
+          local retry = math.ceil(math.max(route_delay - reserve, route[1]))
+          local reply = {1, retry, math.floor(b[1]), 1, 1}
+          return on_share(reply, share_place or share[4].virtual(now + retry + reserve))
         end
         -- Its slot went to another job (it came back late, or a reservation
         -- took it): the back of its line. Moving it to the front instead would
@@ -458,9 +469,9 @@ local function permit(KEYS, ARGV)
       -- back for a share place finds the line already past it.
       local at = line_at(route_share_key, share)
       if not remaining then
-        push_line(route_share_key, math.max(at or send, send) + share[1], share)
-      elseif not at or at < send + share[1] then
-        push_line(route_share_key, send + share[1], share)
+        push_line(route_share_key, math.max(at or now, now) + share[1], share)
+      elseif not at or at < now + share[1] then
+        push_line(route_share_key, now + share[1], share)
       end
     end
 
