@@ -814,7 +814,14 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
                     self.metrics.tier_publish(tier);
                     self.parked
                         .add(&job.tenant, reason, now.saturating_add(tier), tier);
-                    if !hop {
+                    if hop {
+                        debug!(
+                            reason = reason.as_str(),
+                            tier_ms = tier.as_millis() as u64,
+                            wait_ms = now.until(until).as_millis() as u64,
+                            "hop"
+                        );
+                    } else {
                         self.metrics.parked(tenant, reason);
                         self.log_decision(
                             job,
