@@ -828,3 +828,58 @@ fn only_provider_calls_count_in_a_tenants_figures() {
         quotas.purge_prefix().await.unwrap();
     });
 }
+
+/// A tenant paced by its own quota (10/s, a backlog) reserves each of its
+/// sends ahead; on a route far from full (1000/s) those reservations never
+/// hold another tenant's sends back: each of the quiet tenant's jobs goes
+/// out within one route slot of arriving (it waited up to the whole
+/// reservation window, 170 ms here, when the route's one "next free" time
+/// was pushed past every slot before a reserved send), and the backlog
+/// keeps its pace.
+#[test]
+fn a_reserved_send_never_holds_another_tenant_back_on_a_free_route() {
+    let backlog = 40;
+    let (sends, jobs) = runtime().block_on(async {
+        let (permits, quotas) = stores(Quota::new("10/s".parse().unwrap(), 1).unwrap());
+        let route = route_of(&quotas, "1000/s").await;
+        let (noisy, quiet) = (
+            TenantId::parse("noisy").unwrap(),
+            TenantId::parse("quiet").unwrap(),
+        );
+        let job = |tenant: &TenantId, arrives| Simulated {
+            tenant: tenant.clone(),
+            priority: tollgate_core::Priority::Normal,
+            arrives,
+        };
+        let mut jobs: Vec<Simulated> = (0..backlog).map(|i| job(&noisy, i * 100)).collect();
+        jobs.extend((0..8).map(|i| job(&quiet, 130_000 + i * 500_000)));
+        let sends = simulate(&permits, &route, &jobs, |_| 0).await;
+        quotas.purge_prefix().await.unwrap();
+        (sends, jobs)
+    });
+    assert_eq!(sends.len(), jobs.len(), "every job is sent once");
+    for &(at, i) in sends.iter().filter(|&&(_, i)| i >= backlog as usize) {
+        assert!(
+            at - jobs[i].arrives <= 1_000,
+            "quiet job {i} arrived at {} µs, sent at {at} µs",
+            jobs[i].arrives
+        );
+    }
+    let mut of_noisy: Vec<u64> = sends
+        .iter()
+        .filter(|&&(_, i)| i < backlog as usize)
+        .map(|&(at, _)| at)
+        .collect();
+    of_noisy.sort_unstable();
+    for w in of_noisy.windows(2) {
+        assert!(
+            w[1] - w[0] >= 100_000,
+            "noisy sends closer than its quota: {of_noisy:?}"
+        );
+    }
+    let last = *of_noisy.last().unwrap();
+    assert!(
+        last <= (backlog + 2) * 100_000,
+        "the backlog of {backlog} at 10/s took {last} µs: {of_noisy:?}"
+    );
+}

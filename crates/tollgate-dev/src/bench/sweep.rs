@@ -57,6 +57,7 @@ pub async fn run(base: &Config, wanted: impl Fn(&str) -> bool) -> anyhow::Result
         figures.extend(adherence(base, setting).await?);
         figures.extend(many_tenants(base, setting).await?);
         figures.extend(weighted_share(base, setting).await?);
+        figures.extend(shared_account(base, setting).await?);
         out.push(Scenario {
             key,
             title,
@@ -79,6 +80,11 @@ pub async fn run(base: &Config, wanted: impl Fn(&str) -> bool) -> anyhow::Result
                     "{WORKERS} worker processes; 3 tenants with weights 1, 2, 3 and {SHARE_BACKLOG} jobs \
                      each on one route of 30/s burst 1 (their own quotas 100/s); shares counted from \
                      the first send of the last to start to the last send of the first to finish"
+                ),
+                "shared_account": format!(
+                    "{WORKERS} worker processes; a route quota of 1000/s; noisy: 500 jobs at once, \
+                     quota 10/s burst 1; quiet: one job every 0.5 s for 10 s at 100/s, on another \
+                     work queue"
                 ),
                 "provider": "strict: 429 beyond each tenant's quota (and, in weighted_share, \
                              beyond the route's 30) in any sliding second",
@@ -386,6 +392,94 @@ async fn many_tenants(base: &Config, setting: Setting) -> anyhow::Result<Vec<Fig
 /// Jobs per tenant in the weighted-share scenario.
 const SHARE_BACKLOG: u32 = 300;
 
+/// Who the bench's quota changes are made by, in the audit.
+fn bench_actor() -> tollgate_quota::Actor {
+    tollgate_quota::Actor {
+        who: "bench".into(),
+        source: "cli",
+    }
+}
+
+/// Gives the default route (every job of the bench) a quota of `rate`
+/// burst 1: one provider account for every tenant.
+async fn set_route_quota(rig: &Rig, rate: &str) -> anyhow::Result<()> {
+    let change = tollgate_quota::Change::SetQuota {
+        quota: tollgate_core::Quota::parse(rate, 1)?,
+        concurrency: None,
+        weight: None,
+        adaptive: None,
+    };
+    let target = tollgate_quota::Target::Route(tollgate_core::Kind::default_kind());
+    rig.store.apply(&target, change, &bench_actor()).await?;
+    Ok(())
+}
+
+/// Two tenants on one provider account far from full (a route quota of
+/// 1000/s): noisy, paced by its own quota (10/s) through a 500-job backlog,
+/// reserves each send ahead; quiet (100/s, on another work queue) sends one
+/// job every 0.5 s for 10 s. The noisy tenant's reservations must not hold
+/// the quiet one back (the route's bucket has one "next free" time).
+async fn shared_account(base: &Config, setting: Setting) -> anyhow::Result<Vec<Figure>> {
+    const QUIET_SECONDS: u64 = 10;
+    progress(&format!(
+        "sweep {setting}: a provider account of 1000/s shared by a self-paced backlog and a quiet tenant"
+    ));
+    let mut limits = HashMap::from([("noisy".to_owned(), 10)]);
+    for i in 1..=64 {
+        limits.insert(format!("apart-{i}"), 100);
+    }
+    let mut rig = Rig::new(base, strict_limits(limits)).await?;
+    let noisy_shard = rig.shard_of("noisy").await?;
+    let apart = rig.tenant_where("apart", |s| s != noisy_shard).await?;
+    set_route_quota(&rig, "1000/s").await?;
+    rig.set_quota("noisy", "10/s", 1).await?;
+    rig.set_quota(&apart, "100/s", 1).await?;
+    spawn_workers(&mut rig, setting, WORKERS).await?;
+    rig.publish("noisy", 500, None, "{}").await?;
+    let mut quiet = Vec::new();
+    for _ in 0..QUIET_SECONDS * 2 {
+        let (jobs, at) = rig.publish(&apart, 1, None, "{}").await?;
+        quiet.extend(jobs.into_iter().map(|j| (j.id.to_string(), at)));
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let received = rig.provider.received();
+    rig.cleanup().await?;
+    let noisy: Vec<&Received> = received.iter().filter(|r| r.tenant == "noisy").collect();
+    let lags = lags_ms(&received, &quiet);
+    Ok(vec![
+        Figure::new(
+            "shared account: quiet sent of published",
+            "fraction",
+            vec![lags.len() as f64 / quiet.len() as f64],
+        )
+        .target("1"),
+        Figure::new(
+            "shared account: quiet due lag p50",
+            "ms",
+            vec![percentile(&lags, 0.5)],
+        ),
+        Figure::new(
+            "shared account: quiet due lag p99",
+            "ms",
+            vec![percentile(&lags, 0.99)],
+        )
+        .target("< 50"),
+        Figure::new(
+            "shared account: noisy 429s",
+            "requests",
+            vec![noisy.iter().filter(|r| r.status == 429).count() as f64],
+        )
+        .target("0"),
+        Figure::new(
+            "shared account: noisy quota use",
+            "fraction",
+            vec![utilization(&noisy, 10.0)],
+        )
+        .target(">= 0.97"),
+    ])
+}
+
 /// Three tenants with backlogs on one route of 30/s, weights 1, 2 and 3:
 /// each one's part of the route's sends while all three have work, against
 /// its weight's part (1/6, 2/6, 3/6).
@@ -396,24 +490,17 @@ async fn weighted_share(base: &Config, setting: Setting) -> anyhow::Result<Vec<F
         "sweep {setting}: weighted share, weights {WEIGHTS:?} on one 30/s route"
     ));
     let rig = Rig::new(base, strict_account(30)).await?;
-    let actor = tollgate_quota::Actor {
-        who: "bench".into(),
-        source: "cli",
-    };
-    let route = tollgate_quota::Change::SetQuota {
-        quota: tollgate_core::Quota::parse("30/s", 1)?,
-        concurrency: None,
-        weight: None,
-        adaptive: None,
-    };
-    let target = tollgate_quota::Target::Route(tollgate_core::Kind::default_kind());
-    rig.store.apply(&target, route, &actor).await?;
+    set_route_quota(&rig, "30/s").await?;
     let names: Vec<String> = WEIGHTS.iter().map(|w| format!("weight-{w}")).collect();
     for (name, &w) in names.iter().zip(&WEIGHTS) {
         rig.set_quota(name, "100/s", 1).await?;
         let target = tollgate_quota::Target::Tenant(tollgate_core::TenantId::parse(name.as_str())?);
         rig.store
-            .apply(&target, tollgate_quota::Change::SetWeight(w), &actor)
+            .apply(
+                &target,
+                tollgate_quota::Change::SetWeight(w),
+                &bench_actor(),
+            )
             .await?;
     }
     let mut rig = rig;

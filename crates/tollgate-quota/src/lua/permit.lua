@@ -68,6 +68,11 @@
 --   {5}                         cancelled
 --   {6, retry_in}               tenant at its concurrency limit
 
+-- How far past the route's next free slot a send may be reserved, at least
+-- (microseconds): room for the job to come back from its hold and ask again
+-- (a timer, a batched round trip) before its slot.
+local ROUTE_LEAD_US = 25000
+
 -- One decision; KEYS and ARGV here are the job's group of the call's.
 local function permit(KEYS, ARGV)
   local tenant_quota_key = KEYS[1]
@@ -114,6 +119,10 @@ local function permit(KEYS, ARGV)
   local horizon = tonumber(horizon_us)
   -- The pod narrows it for a job it would not hold that long.
   local reserve = math.min(tonumber(reserve_us) or horizon, horizon)
+  -- How long before its place on its tenant's line a denied job comes back
+  -- (to be reserved then). A place on a share line is a send time of the
+  -- route's own: such a job comes back the whole window before it.
+  local come_back, share_come_back = reserve, reserve
   local pacing = tonumber(pacing_factor)
 
   if redis.call('EXISTS', sent_key) == 1 then return {2} end
@@ -245,7 +254,7 @@ local function permit(KEYS, ARGV)
     if at < floor then at = floor end
     push_line(keys[own], at + b[1] * n, b)
     make_room(keys, own, at, b, n)
-    local retry = at - b[1] * (b[2] - 1) - now - reserve
+    local retry = at - b[1] * (b[2] - 1) - now - (b[4] and share_come_back or come_back)
     if retry < 0 then retry = 0 end
     return retry, at
   end
@@ -314,6 +323,16 @@ local function permit(KEYS, ARGV)
     -- take the next one, whatever its share says. Shares order a contended
     -- route; they never leave it idle.
     route_idle = route_delay == 0 and delay == 0 and (stored or 0) + route[1] <= now
+    -- The route's bucket has one "next free" time, so a send reserved past
+    -- it leaves the slots before it to nobody: a tenant paced by its own
+    -- quota, reserving its next slot 400 ms ahead, held every other
+    -- tenant's sends back as long. The route is reserved no further than
+    -- one of its slots (at least ROUTE_LEAD_US) past its own next slot; a
+    -- job whose tenant's slot is further is given its place and comes back
+    -- that lead before it (not the window, which moves with the route).
+    local lead = math.max(route[1], ROUTE_LEAD_US)
+    reserve = math.min(reserve, route_delay + lead)
+    come_back = math.min(come_back, lead)
   end
 
   -- The tenant counts among the route's tenants with work while it holds
@@ -379,8 +398,8 @@ local function permit(KEYS, ARGV)
       local place = share[4].real(share_place)
       local head = line_at(route_share_key, share)
       if head and place > head then place, share_place = head, share[4].virtual(head) end
-      if place - now > 2 * reserve then
-        return on_share({1, math.ceil(place - reserve - now), math.floor(share[1]), 1, 1}, share_place)
+      if place - now > 2 * share_come_back then
+        return on_share({1, math.ceil(place - share_come_back - now), math.floor(share[1]), 1, 1}, share_place)
       end
     end
 
@@ -397,8 +416,8 @@ local function permit(KEYS, ARGV)
       if remaining then
         -- Back from (a hop of) its wait: keep the place, re-spaced like the line
         -- if the quota changed since it was given. (`place` is when to come
-        -- back: `reserve` before the slot itself.) A place on the share line
-        -- has come (above).
+        -- back: `come_back` before the slot itself; it waits while that slot
+        -- is beyond its window.) A place on the share line has come (above).
         if b ~= share then
           -- The spacing a place on the share line came with is the share's:
           -- it says nothing of the tenant's line, so such a place is taken
@@ -407,14 +426,14 @@ local function permit(KEYS, ARGV)
           local place = respace(now + remaining, carried, b)
           local head = line_at(lines[rank], tenant)
           if head and place > head then place = head end
-          if place - now > reserve then
+          if place + come_back - now > reserve then
             return {1, math.ceil(place - now), math.floor(b[1]), 1, 1}
           end
         end
         if b_ahead then
           -- Its place has come, but places of a class served first are still
           -- out: it goes right after them, ahead of its own class's line.
-          local place = math.max(b_ahead - b[1] * (b[2] - 1), penalty) - reserve
+          local place = math.max(b_ahead - b[1] * (b[2] - 1), penalty) - come_back
           -- Their jobs have not come for them yet: look again a slot later,
           -- never at once (their places pass with time).
           if place <= now then place = now + b[1] end
