@@ -159,14 +159,33 @@ impl Browser {
         .await;
     }
 
+    /// Clicks the element once the page lets it be clicked: it may not be
+    /// shown yet (the page after sign-in), and the page may replace it
+    /// between the find and the click (the tenant list re-renders every
+    /// 2 s: a click on a row it just replaced is refused as stale).
     async fn click(&self, css: &str) {
-        let id = self.find(css).await;
-        self.call(
-            reqwest::Method::POST,
-            &format!("/element/{id}/click"),
-            json!({}),
-        )
-        .await;
+        let deadline = Instant::now() + PATIENCE;
+        loop {
+            let id = self.find(css).await;
+            let reply = self
+                .call(
+                    reqwest::Method::POST,
+                    &format!("/element/{id}/click"),
+                    json!({}),
+                )
+                .await;
+            match reply["error"].as_str() {
+                None => return,
+                Some(
+                    "stale element reference"
+                    | "element not interactable"
+                    | "element click intercepted",
+                ) if Instant::now() < deadline => {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                Some(error) => panic!("clicking {css}: {error}: {}", reply["message"]),
+            }
+        }
     }
 
     /// The element's rendered text ("" while it is hidden).
