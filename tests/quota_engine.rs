@@ -4,6 +4,7 @@
 
 use std::collections::HashSet;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use tollgate_core::{JobId, Kind, TenantId};
@@ -381,6 +382,59 @@ async fn an_adaptive_quota_learns_the_providers_limit_and_loses_nothing() {
         assert_eq!(dead, 0.0);
         w.stop().await.unwrap();
     }
+    env.cleanup().await;
+}
+
+/// A pod whose one call slot is taken by a slow call must not send the
+/// permits that came due meanwhile in a burst once it frees: each would
+/// leave late and, with the sends after it on time, the provider's sliding
+/// second would see more than the quota (before: 12 sends within 12 ms
+/// after the slow call, then on time, and a 429). A permit past its leeway
+/// is let go and the job asks again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn permits_that_came_due_while_the_pod_was_busy_are_not_sent_late() {
+    const RATE: u32 = 20;
+    const JOBS: u32 = 80;
+    let strict = fake_provider::strict_limits([("busy".to_owned(), RATE)].into());
+    let calls = AtomicUsize::new(0);
+    let provider = FakeProvider::start(Arc::new(move |req: &Received, n: usize| {
+        let reply = strict(req, n);
+        // The 20th call takes 600 ms: the pod's only call slot is busy.
+        if calls.fetch_add(1, Ordering::Relaxed) == 19 {
+            reply.after(Duration::from_millis(600))
+        } else {
+            reply
+        }
+    }))
+    .await
+    .unwrap();
+    let env = TestEnv::new(&provider.url()).await;
+    env.set_quota("busy", &format!("{RATE}/s"), 1).await;
+    let worker = env.spawn_worker_with(|c| c.concurrency = 1).await;
+    env.publish("busy", JOBS, |_| {}).await;
+    wait_for("every job sent", Duration::from_secs(60), || async {
+        sent_keys(&provider.received()).len() >= JOBS as usize
+    })
+    .await;
+    let received = provider.received();
+    let times: Vec<Instant> = received
+        .iter()
+        .filter(|r| r.status == 200)
+        .map(|r| r.instant)
+        .collect();
+    let throttled = received.iter().filter(|r| r.status == 429).count();
+    let late = worker
+        .metrics
+        .counter_sum("tollgate_late_permits_total", &[("tenant", "busy")]);
+    eprintln!(
+        "busy pod: {late} permit(s) let go late, {throttled} 429(s), most in 1 s {}",
+        max_in_window(&times, Duration::from_secs(1))
+    );
+    assert!(late > 0.0, "the slow calls made permits late");
+    assert_eq!(times.len(), JOBS as usize, "every job sent once");
+    assert_eq!(throttled, 0, "the provider never saw more than the quota");
+    assert!(max_in_window(&times, Duration::from_secs(1)) <= RATE as usize);
+    worker.stop().await.unwrap();
     env.cleanup().await;
 }
 

@@ -13,6 +13,7 @@ RUNBOOK_BASE = "https://github.com/tollgate-rs/tollgate/blob/main/docs/runbooks/
 # A name used in a dashboard or rule that is not here is a typo.
 COUNTERS = {
     "tollgate_permit_decisions_total",
+    "tollgate_late_permits_total",
     "tollgate_shadow_decisions_total",
     "tollgate_provider_requests_total",
     "tollgate_jobs_completed_total",

@@ -81,7 +81,16 @@ pub enum Shadow {
 pub enum PermitDecision {
     /// A permit is reserved for `now + delay` (zero: send now). The delay is
     /// bounded by the store's reservation horizon.
-    Granted { delay: Duration, shadow: Shadow },
+    Granted {
+        delay: Duration,
+        shadow: Shadow,
+        /// How late after its slot the call may still begin. Sends are
+        /// spaced a little wider than the quota; a send later than this,
+        /// with the one a period of sends after it on time, could put one
+        /// more than the quota in the provider's window. Past it the permit
+        /// is let go unused and the job asks again.
+        leeway: Duration,
+    },
     /// Over quota; come back in `retry_in` (the job's place in line).
     Denied {
         retry_in: Duration,
@@ -207,6 +216,8 @@ pub struct JobRun {
     arrived_waiting: Option<(UnixMillis, ParkReason)>,
     /// This delivery already re-asked the permit store on its way back.
     rechecked: bool,
+    /// The granted permit's slot and how late the call may begin after it.
+    slot: Option<(UnixMillis, Duration)>,
 }
 
 impl JobRun {
@@ -217,6 +228,7 @@ impl JobRun {
             expires_at: job.expires_at,
             arrived_waiting: progress.not_before.zip(progress.park_reason),
             rechecked: false,
+            slot: None,
             progress,
             stage: Stage::Due,
         }
@@ -350,8 +362,9 @@ impl JobRun {
             self.progress.unavailable = 0;
         }
         match decision {
-            PermitDecision::Granted { delay, .. } => {
+            PermitDecision::Granted { delay, leeway, .. } => {
                 self.stage = Stage::Granted;
+                self.slot = Some((now.saturating_add(delay), leeway));
                 if delay.is_zero() {
                     Action::CallProvider
                 } else {
@@ -447,6 +460,20 @@ impl JobRun {
         );
         self.stage = Stage::Due;
         self.begin_wait(policy, now, now.until(until), ParkReason::Throttled)
+    }
+
+    /// Just before the call: a permit whose slot passed more than its
+    /// leeway ago (the pod was busy: no call slot free, a late timer) is
+    /// not used. The permit store must be asked again; the slot is spent.
+    pub fn too_late(&mut self, now: UnixMillis) -> Option<Action> {
+        debug_assert_eq!(self.stage, Stage::Granted, "only a granted job can be late");
+        let (slot, leeway) = self.slot?;
+        if slot.until(now) <= leeway {
+            return None;
+        }
+        self.stage = Stage::Due;
+        self.slot = None;
+        Some(Action::AskPermit)
     }
 
     fn expired(&self, now: UnixMillis) -> Option<Action> {
@@ -563,6 +590,7 @@ mod tests {
     const GRANTED: PermitDecision = PermitDecision::Granted {
         delay: Duration::ZERO,
         shadow: Shadow::None,
+        leeway: Duration::from_millis(10),
     };
 
     fn policy() -> Policy {
@@ -679,6 +707,7 @@ mod tests {
             PermitDecision::Granted {
                 delay: Duration::from_millis(80),
                 shadow: Shadow::None,
+                leeway: Duration::from_millis(10),
             },
             T0,
             0.5,
@@ -694,6 +723,32 @@ mod tests {
             "no second permit, no second eligibility check"
         );
         assert_eq!(run.progress().quota_wait, Duration::from_millis(80));
+    }
+
+    #[test]
+    fn a_permit_past_its_leeway_is_not_used_and_the_job_asks_again() {
+        let p = policy();
+        let mut run = JobRun::new(&job(""), Progress::default(), T0);
+        run.next(&p, T0);
+        let reserved = PermitDecision::Granted {
+            delay: Duration::from_millis(80),
+            shadow: Shadow::None,
+            leeway: Duration::from_millis(10),
+        };
+        assert_eq!(
+            run.on_permit(&p, reserved, T0, 0.5),
+            Action::AwaitSlot { until: at(80) }
+        );
+        assert_eq!(run.next(&p, at(80)), Action::CallProvider);
+        assert_eq!(run.too_late(at(90)), None, "within its leeway");
+        assert_eq!(run.too_late(at(91)), Some(Action::AskPermit));
+        // Asked again and granted for now: used at once.
+        assert_eq!(
+            run.on_permit(&p, GRANTED, at(91), 0.5),
+            Action::CallProvider
+        );
+        assert_eq!(run.too_late(at(91)), None);
+        assert_eq!(run.attempt(), 1, "no attempt used");
     }
 
     #[test]
@@ -934,6 +989,7 @@ mod tests {
             PermitDecision::Granted {
                 delay: Duration::from_millis(300),
                 shadow: Shadow::None,
+                leeway: Duration::from_millis(10),
             },
             T0,
             0.5,

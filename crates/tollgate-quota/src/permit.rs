@@ -580,6 +580,7 @@ impl RedisPermits {
                     Some(2) => Shadow::Deny,
                     _ => Shadow::None,
                 },
+                leeway: at(4),
             },
             Some(1) => {
                 return Ok(Reply::Denied {

@@ -79,6 +79,7 @@ struct Inner {
     due_lag: HistogramVec,
     quota_wait: HistogramVec,
     permit_decisions: IntCounterVec,
+    late_permits: IntCounterVec,
     shadow_decisions: IntCounterVec,
     provider_requests: IntCounterVec,
     provider_duration: HistogramVec,
@@ -207,6 +208,12 @@ impl Metrics {
                 "Permit decisions made in Redis, by tenant and decision.",
                 &["tenant", "decision"],
             ),
+            late_permits: counter(
+                r,
+                "tollgate_late_permits_total",
+                "Permits let go unused because their call could not begin within the leeway after their slot (the pod was busy); the job asked again.",
+                &["tenant"],
+            ),
             shadow_decisions: counter(
                 r,
                 "tollgate_shadow_decisions_total",
@@ -312,6 +319,10 @@ impl Metrics {
                 .with_label_values(&[tenant, verdict])
                 .inc();
         }
+    }
+
+    pub fn late_permit(&self, tenant: &str) {
+        self.0.late_permits.with_label_values(&[tenant]).inc();
     }
 
     /// What an adaptive quota learned from a completion.
@@ -443,6 +454,7 @@ mod tests {
             &PermitDecision::Granted {
                 delay: Duration::ZERO,
                 shadow: Shadow::Deny,
+                leeway: Duration::ZERO,
             },
         );
         metrics.provider(
@@ -452,6 +464,7 @@ mod tests {
             Duration::from_millis(3),
         );
         metrics.parked("acme", ParkReason::Quota);
+        metrics.late_permit("acme");
         metrics.tier_publish(Duration::from_secs(5));
         metrics.completed("acme", Completion::Sent, Duration::ZERO);
         metrics.dead_lettered("acme", DeadReason::Rejected, Duration::ZERO);
@@ -461,6 +474,7 @@ mod tests {
             "tollgate_due_lag_seconds",
             "tollgate_quota_wait_seconds",
             "tollgate_permit_decisions_total",
+            "tollgate_late_permits_total",
             "tollgate_shadow_decisions_total",
             "tollgate_provider_requests_total",
             "tollgate_provider_request_duration_seconds",

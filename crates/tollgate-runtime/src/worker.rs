@@ -750,7 +750,13 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
         let route = self.provider.route(job).unwrap_or("default");
         let mut now = self.clock.now();
         let mut action = run.next(&self.policy, now);
+        // A call slot kept while a late permit is asked for again, so that
+        // a permit granted for now is used at once, not late again.
+        let mut kept_call: Option<tokio::sync::OwnedSemaphorePermit> = None;
         loop {
+            if !matches!(action, Action::AskPermit | Action::CallProvider) {
+                kept_call = None;
+            }
             action = match action {
                 Action::AwaitSlot { until } => {
                     commitment.end();
@@ -880,11 +886,28 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
                     }
                     // One of this pod's `concurrency` call slots; a job that
                     // waits for one holds its delivery (and its permit).
-                    let _call = Arc::clone(&self.calls)
-                        .acquire_owned()
-                        .await
-                        .expect("the call semaphore is never closed");
+                    let call = match kept_call.take() {
+                        Some(call) => call,
+                        None => Arc::clone(&self.calls)
+                            .acquire_owned()
+                            .await
+                            .expect("the call semaphore is never closed"),
+                    };
                     now = self.clock.now();
+                    if let Some(again) = run.too_late(now) {
+                        // Its slot passed while it waited: sent now, it could
+                        // put one more than the quota in the provider's
+                        // window. The slot is spent; ask again, keeping the
+                        // call slot.
+                        self.metrics.late_permit(tenant);
+                        debug!("permit too late to use: asking again");
+                        self.complete_permit(request, PermitUse::Unused, None, None)
+                            .await;
+                        kept_call = Some(call);
+                        action = again;
+                        continue;
+                    }
+                    let _call = call;
                     if !commitment.begin(&self.commits).await {
                         // Shutting down: too late in the grace period to
                         // begin a call. Release the permit, hand it back.

@@ -55,8 +55,10 @@
 --                                     route's virtual time ("" = none)
 --
 -- Reply: one {code, a, b, c} per group, in order:
---   {0, delay, shadow, send}    granted at now + delay = send (microseconds since the epoch, Redis
---                               time); shadow 0 none, 1 would allow, 2 would deny
+--   {0, delay, shadow, send, leeway}
+--                               granted at now + delay = send (microseconds since the epoch, Redis
+--                               time); shadow 0 none, 1 would allow, 2 would deny; leeway: how late
+--                               after `send` the call may still begin (microseconds, below)
 --   {1, retry_in, interval, n, kept, share_place, share_interval}
 --                               denied: n virtual slots from now + retry_in, `interval` apart;
 --                               kept = 1 when a returning job keeps (a re-spaced) place; for places
@@ -149,15 +151,16 @@ local function permit(KEYS, ARGV)
     'shadow_count', 'shadow_period_ms', 'shadow_burst', 'updated_at_ms', 'weight', 'adaptive')
   if q[5] == '1' then return {4, tonumber(pause_recheck_us)} end
 
-  -- A bucket: {interval, burst, changed_at} or nil. changed_at (microseconds)
-  -- is when its quota last changed: places in line are re-spaced around it.
+  -- A bucket: {interval, burst, changed_at, nil, period} or nil. changed_at
+  -- (microseconds) is when its quota last changed: places in line are
+  -- re-spaced around it. period: the quota's, microseconds.
   local function bucket(count, period_ms, burst, changed_ms)
     count, period_ms, burst = tonumber(count), tonumber(period_ms), tonumber(burst)
     if not (count and period_ms and burst) or count < 1 or period_ms < 1 or burst < 1 then return nil end
     local changed = tonumber(changed_ms)
     -- Whole microseconds, rounded up: times near 1.8e15 µs have no room for
     -- fractions in a double, and a rounded-down interval could send early.
-    return {math.ceil(period_ms * 1000 / count * pacing), burst, changed and changed * 1000 or now}
+    return {math.ceil(period_ms * 1000 / count * pacing), burst, changed and changed * 1000 or now, nil, period_ms * 1000}
   end
 
   -- An adaptive quota is spaced at the rate learned (its own is the ceiling).
@@ -514,7 +517,16 @@ local function permit(KEYS, ARGV)
       redis.call('SET', shadow_tat_key, string.format('%.0f', snext), 'PX', math.ceil((snext - now) / 1000) + 1000)
     end
 
-    return {0, delay, verdict, send}
+    -- Sends spaced `pacing` wider than the quota leave the provider's
+    -- window (the quota's period) a slack of period × (pacing - 1): a send
+    -- that leaves later than that after its slot, with the send a period
+    -- of sends later on time, puts one more than the quota in a window.
+    -- The call may begin up to half of it late; the other half is for the
+    -- network's jitter. Past it, the worker lets the permit go unused and
+    -- asks again.
+    local leeway = tenant[5] * (pacing - 1) / 2
+    if route then leeway = math.min(leeway, route[5] * (pacing - 1) / 2) end
+    return {0, delay, verdict, send, math.floor(leeway)}
   end
 
   local reply = decide()
