@@ -23,13 +23,14 @@ lint:
 
 # Unit tests (pure core, property tests) and integration tests against the
 # real RabbitMQ and Redis; each test uses its own random prefix. Then a serial
-# phase for the tests that stop the shared RabbitMQ (they restart it). The
+# phase for the tests that stop the shared RabbitMQ (they restart it) and
+# those that start private clusters (scripts/clusters.sh, on free ports). The
 # console's test drives headless Chromium, installed here when missing.
 test:
 	@scripts/services.sh --browser
 	$(CARGO) build --workspace --all-targets
 	$(CARGO) test --workspace
-	$(CARGO) test -p tollgate-tests --test faults --test fairness -- --ignored --test-threads=1
+	$(CARGO) test -p tollgate-tests --test faults --test fairness --test clusters -- --ignored --test-threads=1
 	scripts/ops-check.sh
 
 # A live demonstration: fake provider with its own per-tenant limits, four

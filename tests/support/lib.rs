@@ -132,14 +132,26 @@ impl TestEnv {
     pub async fn spawn_worker_with(&self, tweak: impl FnOnce(&mut Config)) -> WorkerHandle {
         let mut config = self.config.clone();
         tweak(&mut config);
-        let metrics = Metrics::new(50, &[]);
-        let worker = Arc::new(
-            LiveWorker::new(
-                &config.worker_settings().expect("valid worker config"),
-                metrics.clone(),
-            )
-            .expect("valid worker config"),
+        self.spawn_worker_from(config.worker_settings().expect("valid worker config"))
+            .await
+    }
+
+    /// Starts a worker that connects to broker node `node` first (of the
+    /// nodes `amqp_url` lists) instead of one picked at random.
+    pub async fn spawn_worker_at_node(&self, node: usize) -> WorkerHandle {
+        let mut settings = self.config.worker_settings().expect("valid worker config");
+        settings.amqp_nodes = Arc::new(
+            tollgate_amqp::Nodes::parse(&self.config.amqp_url)
+                .expect("valid amqp_url")
+                .starting_at(node),
         );
+        self.spawn_worker_from(settings).await
+    }
+
+    async fn spawn_worker_from(&self, settings: tollgate_runtime::WorkerSettings) -> WorkerHandle {
+        let metrics = Metrics::new(50, &[]);
+        let worker =
+            Arc::new(LiveWorker::new(&settings, metrics.clone()).expect("valid worker config"));
         let (stop, mut stopped) = watch::channel(false);
         let task = tokio::spawn(Arc::clone(&worker).run(async move {
             let _ = stopped.wait_for(|&s| s).await;

@@ -3,6 +3,7 @@
 //! runtime acks the delivery it replaces (park, retry, dead letter).
 
 pub mod headers;
+mod nodes;
 mod topology;
 
 use std::time::Duration;
@@ -15,9 +16,10 @@ use lapin::options::{
 };
 use lapin::types::{FieldTable, ShortString};
 use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProperties};
-use tollgate_core::{DeadReason, Job, Progress, TenantId, UnixMillis};
+use tollgate_core::{DeadReason, Job, Progress, SecretUrl, TenantId, UnixMillis};
 
 pub use lapin;
+pub use nodes::Nodes;
 pub use topology::Topology;
 
 #[derive(Debug, thiserror::Error)]
@@ -32,6 +34,8 @@ pub enum AmqpError {
         "RabbitMQ lacks the {0} plugin: run `rabbitmq-plugins enable {0}` (or `make services`)"
     )]
     MissingPlugin(&'static str),
+    #[error("connecting to RabbitMQ: no node answered: {0}")]
+    NoNode(String),
     #[error("declaring {name}: {source}")]
     Declare {
         name: String,
@@ -115,6 +119,8 @@ impl AmqpError {
 /// One connection to RabbitMQ with a confirmed publisher channel.
 pub struct Broker {
     conn: Connection,
+    /// Which of the [`Nodes`] it is connected to.
+    node: usize,
     topology: Topology,
     /// Replaced by [`Broker::repair_publisher`] when the broker closes it
     /// (a publish to a deleted exchange, a channel error), without touching
@@ -127,39 +133,71 @@ pub struct Broker {
 }
 
 impl Broker {
-    /// `url_for_errors` is the URL with any password redacted; `ca_pem`
-    /// is a PEM bundle trusted for `amqps://` instead of the system roots.
+    /// Connects to the first of `nodes` that answers, in turn from the one
+    /// they say to try first. `ca_pem` is a PEM bundle trusted for
+    /// `amqps://` instead of the system roots.
     pub async fn connect(
-        url: &str,
-        url_for_errors: &str,
+        nodes: &Nodes,
         ca_pem: Option<&str>,
         connection_name: &str,
         topology: Topology,
     ) -> Result<Self, AmqpError> {
+        let mut failed = Vec::new();
+        for (node, url) in nodes.in_turn() {
+            match Self::connect_to(url, ca_pem, connection_name).await {
+                Ok((conn, publisher)) => {
+                    nodes.connected(node);
+                    if !failed.is_empty() {
+                        tracing::warn!(
+                            node = %url,
+                            unreachable = %failed.join("; "),
+                            "connected to RabbitMQ after other nodes failed"
+                        );
+                    }
+                    return Ok(Self {
+                        conn,
+                        node,
+                        topology,
+                        publisher: std::sync::RwLock::new(publisher),
+                        repairing: tokio::sync::Mutex::new(()),
+                        draining: std::sync::Mutex::new(Vec::new()),
+                    });
+                }
+                Err(e) if nodes.len() == 1 => return Err(e),
+                Err(e) => failed.push(e.to_string()),
+            }
+        }
+        Err(AmqpError::NoNode(failed.join("; ")))
+    }
+
+    async fn connect_to(
+        url: &SecretUrl,
+        ca_pem: Option<&str>,
+        connection_name: &str,
+    ) -> Result<(Connection, Channel), AmqpError> {
         let props = ConnectionProperties::default().with_connection_name(connection_name.into());
         let tls = lapin::tcp::OwnedTLSConfig {
             identity: None,
             cert_chain: ca_pem.map(str::to_owned),
         };
         let err = |source| AmqpError::Connect {
-            url: url_for_errors.to_owned(),
+            url: url.redacted(),
             source,
         };
         let runtime = lapin::runtime::default_runtime().map_err(err)?;
         bounded("the connection handshake", async {
-            let conn = Connection::connect_with_config(url, props, tls, runtime)
+            let conn = Connection::connect_with_config(url.expose(), props, tls, runtime)
                 .await
                 .map_err(err)?;
             let publisher = confirmed_channel(&conn).await?;
-            Ok(Self {
-                conn,
-                topology,
-                publisher: std::sync::RwLock::new(publisher),
-                repairing: tokio::sync::Mutex::new(()),
-                draining: std::sync::Mutex::new(Vec::new()),
-            })
+            Ok((conn, publisher))
         })
         .await
+    }
+
+    /// Which of the [`Nodes`] this connection went to.
+    pub fn node(&self) -> usize {
+        self.node
     }
 
     pub fn topology(&self) -> &Topology {

@@ -62,8 +62,13 @@ impl fmt::Debug for Secret {
 /// Replaces the password of a URL-like string (`scheme://user:password@host…`)
 /// with `REDACTED`, even in a string no URL parser would accept. Whatever
 /// sits between `://` and the last `@` of the authority is credentials: the
-/// user name is kept, the rest replaced.
+/// user name is kept, the rest replaced. A list of URLs separated by commas
+/// (the nodes of a cluster) has each one's password replaced.
 pub fn redact_url(raw: &str) -> String {
+    raw.split(',').map(redact_one).collect::<Vec<_>>().join(",")
+}
+
+fn redact_one(raw: &str) -> String {
     let Some(scheme_end) = raw.find("://").map(|i| i + 3) else {
         return raw.to_owned();
     };
@@ -106,6 +111,10 @@ mod tests {
             "redis://127.0.0.1:6379"
         );
         assert_eq!(redact_url("not a url"), "not a url");
+        assert_eq!(
+            redact_url("amqp://u:one@a/%2f,amqp://u:two@b/%2f"),
+            "amqp://u:REDACTED@a/%2f,amqp://u:REDACTED@b/%2f"
+        );
         let url = SecretUrl::new("amqp://guest:canary@rabbit/%2f");
         assert!(!format!("{url:?} {url}").contains("canary"));
         assert!(!format!("{:?}", Secret::new("canary")).contains("canary"));

@@ -1,11 +1,12 @@
 //! What a worker is built from: every knob already parsed and checked. The
 //! binary builds it from its configuration (`Config::worker_settings`).
 
+use std::sync::Arc;
 use std::time::Duration;
 
-use tollgate_amqp::Topology;
+use tollgate_amqp::{Nodes, Topology};
 use tollgate_core::job::Limits;
-use tollgate_core::{Policy, Rate, SecretUrl};
+use tollgate_core::{Policy, Rate};
 use tollgate_provider::Route;
 use tollgate_quota::{PermitSettings, RedisSettings};
 
@@ -14,7 +15,8 @@ use crate::baseline::Baseline;
 /// No `Debug`: it holds connection URLs with their passwords.
 #[derive(Clone)]
 pub struct WorkerSettings {
-    pub amqp_url: SecretUrl,
+    /// The broker's nodes (one, or a cluster's), shared by every session.
+    pub amqp_nodes: Arc<Nodes>,
     /// PEM bundle trusted for `amqps://` instead of the system roots.
     pub tls_ca_pem: Option<String>,
     pub topology: Topology,

@@ -22,7 +22,7 @@ use tokio::sync::watch;
 use tokio::task::JoinSet;
 use tollgate_amqp::headers;
 use tollgate_amqp::lapin::message::Delivery;
-use tollgate_amqp::{Broker, ConsumerControl, Topology};
+use tollgate_amqp::{Broker, ConsumerControl, Nodes, Topology};
 use tollgate_core::job::{Limits, decode};
 use tollgate_core::outcome::classify;
 use tollgate_core::ports::{
@@ -45,7 +45,6 @@ use crate::parked::{FLUSH_EVERY, ParkTally};
 use crate::settings::WorkerSettings;
 use crate::system_clock::SystemClock;
 use crate::throttles::LocalThrottles;
-use tollgate_core::SecretUrl;
 
 /// How one delivery was settled.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -59,7 +58,7 @@ pub enum Settled {
 }
 
 pub struct Worker<P, V> {
-    amqp_url: SecretUrl,
+    amqp_nodes: Arc<Nodes>,
     tls_ca_pem: Option<String>,
     topology: Topology,
     name: String,
@@ -163,7 +162,7 @@ impl LiveWorker {
             RedisPermits::new(Arc::clone(&redis), Keys::new(&s.prefix), s.permits.clone());
         let provider = HttpProvider::new(s.routes.clone(), s.provider_timeout)?;
         Ok(Self {
-            amqp_url: s.amqp_url.clone(),
+            amqp_nodes: Arc::clone(&s.amqp_nodes),
             tls_ca_pem: s.tls_ca_pem.clone(),
             topology: s.topology.clone(),
             name: s.name.clone(),
@@ -183,7 +182,7 @@ impl LiveWorker {
             commits: CommitGate::default(),
             commit_reserve: s.provider_timeout + RECORD_RETRY_FOR + Duration::from_secs(1),
             redis_health: Dependency::new("Redis", s.redis_url_shown.clone()),
-            amqp_health: Dependency::new("RabbitMQ", s.amqp_url.redacted()),
+            amqp_health: Dependency::new("RabbitMQ", s.amqp_nodes.redacted()),
             consuming: AtomicBool::new(false),
             redis_checked: tokio::sync::Mutex::new(None),
             stopping: watch::channel(false).0,
@@ -461,20 +460,30 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
     async fn connect(&self) -> anyhow::Result<(Arc<Broker>, tollgate_amqp::Consumption)> {
         let broker = Arc::new(
             Broker::connect(
-                self.amqp_url.expose(),
-                &self.amqp_url.redacted(),
+                &self.amqp_nodes,
                 self.tls_ca_pem.as_deref(),
                 &self.name,
                 self.topology.clone(),
             )
             .await?,
         );
-        for queue in crate::topology::declare(&broker, &self.quotas, None).await? {
-            let depth = broker.queue_depth(&queue).await.unwrap_or(0);
-            warn!("{}", crate::topology::draining_note(&queue, depth));
+        let consuming = async {
+            for queue in crate::topology::declare(&broker, &self.quotas, None).await? {
+                let depth = broker.queue_depth(&queue).await.unwrap_or(0);
+                warn!("{}", crate::topology::draining_note(&queue, depth));
+            }
+            anyhow::Ok(broker.consume(&self.name, self.prefetch).await?)
+        };
+        match consuming.await {
+            Ok(consumption) => Ok((broker, consumption)),
+            Err(e) => {
+                // A node that takes connections but cannot serve the queues
+                // (cut off from the rest of its cluster): try another next.
+                self.amqp_nodes.lost(broker.node());
+                broker.close().await;
+                Err(e)
+            }
         }
-        let consumption = broker.consume(&self.name, self.prefetch).await?;
-        Ok((broker, consumption))
     }
 
     /// One connection: connect, declare, consume until shutdown or loss.
@@ -520,6 +529,8 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
         self.set_consuming(false);
         match lost {
             Some(why) => {
+                // Its node may be down: the next session tries another first.
+                self.amqp_nodes.lost(broker.node());
                 broker.close().await;
                 Ok(SessionEnd::Lost(why))
             }

@@ -306,8 +306,7 @@ pub enum DlqCommand {
 pub async fn connect_broker(config: &Config, role: &str) -> anyhow::Result<Broker> {
     let name = format!("{}-{role}", config.name());
     Ok(Broker::connect(
-        config.amqp_url.expose(),
-        &config.amqp_url.redacted(),
+        &config.amqp_nodes()?,
         config.tls_ca_pem()?.as_deref(),
         &name,
         config.topology()?,

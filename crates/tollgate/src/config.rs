@@ -5,13 +5,14 @@
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::Path;
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, bail};
 use figment::Figment;
 use figment::providers::{Env, Format, Serialized, Toml};
 use serde::{Deserialize, Serialize};
-use tollgate_amqp::Topology;
+use tollgate_amqp::{Nodes, Topology};
 use tollgate_core::backoff::Backoff;
 use tollgate_core::job::Limits;
 use tollgate_core::ports::ThrottleScope;
@@ -333,6 +334,7 @@ impl Config {
                 self.hold_max_ms
             );
         }
+        self.amqp_nodes()?;
         self.admin_token()?;
         self.policy()?;
         self.default_quota()?;
@@ -448,7 +450,7 @@ impl Config {
     /// Everything a worker is built from, checked.
     pub fn worker_settings(&self) -> anyhow::Result<WorkerSettings> {
         Ok(WorkerSettings {
-            amqp_url: self.amqp_url.clone(),
+            amqp_nodes: Arc::new(self.amqp_nodes()?),
             tls_ca_pem: self.tls_ca_pem()?,
             topology: self.topology()?,
             name: self.name(),
@@ -475,6 +477,15 @@ impl Config {
                 _ => None,
             },
         })
+    }
+
+    /// `amqp_url` as the broker's nodes: one URL, or the nodes of a cluster
+    /// separated by commas. Each process starts at a node picked at random,
+    /// so a fleet spreads over the cluster.
+    pub fn amqp_nodes(&self) -> anyhow::Result<Nodes> {
+        let nodes = Nodes::parse(&self.amqp_url).map_err(|e| anyhow::anyhow!("amqp_url: {e}"))?;
+        let first = rand::random_range(0..nodes.len());
+        Ok(nodes.starting_at(first))
     }
 
     /// The contents of `tls_ca_file`, if set.
