@@ -115,7 +115,7 @@ async fn the_binary_runs_a_worker_and_every_verb_works() {
         ],
     );
     assert!(
-        out.contains("→ 20/s burst 1, adaptive (min 2/s, decrease 0.7, increase 0.05, probe 15 s)"),
+        out.contains("→ 20/s burst 1, adaptive (min 2/s, decrease 0.7, increase 0.05, probe 8 s)"),
         "{out}"
     );
     let out = tollgate(&env, &["quota", "get", "globex"]);

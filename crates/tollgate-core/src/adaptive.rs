@@ -15,9 +15,9 @@
 //! - a lone 429 at a rate that held: that rate sits on the provider's edge,
 //!   where send jitter alone crosses it: one step (`increase`) back, and
 //!   stay there the same way;
-//! - any other 429 (a second one within 6 s: the limit fell; or nothing
-//!   has held yet): multiplicative decrease, rate × `decrease`, and climb
-//!   back from there;
+//! - any other 429 (a second one within 6 s at a rate that held, a failed
+//!   probe's not counted: the limit fell; or nothing has held yet):
+//!   multiplicative decrease, rate × `decrease`, and climb back from there;
 //! - the 429s that answer sends made before a change are one burst: after
 //!   a change, 429s are ignored for one window;
 //! - a window (2 s) that passes without a 429, with the tenant sending at
@@ -36,9 +36,9 @@ use crate::quota::{QuotaError, Rate};
 /// counts as holding (and the next step up may follow).
 pub const WINDOW_MICROS: u64 = 2_000_000;
 
-/// A 429 within this many microseconds of the last one handled is a storm
-/// (the provider's limit fell): multiplicative decrease, even at a rate
-/// that held.
+/// A 429 within this many microseconds of the last one handled (a failed
+/// probe's aside) is a storm (the provider's limit fell): multiplicative
+/// decrease, even at a rate that held.
 pub const STORM_MICROS: u64 = 3 * WINDOW_MICROS;
 
 /// A window counts only when the tenant sent at least this fraction of the
@@ -75,7 +75,7 @@ pub struct Adaptive {
 impl Adaptive {
     pub const DEFAULT_DECREASE: f64 = 0.7;
     pub const DEFAULT_INCREASE: f64 = 0.05;
-    pub const DEFAULT_PROBE: Duration = Duration::from_secs(15);
+    pub const DEFAULT_PROBE: Duration = Duration::from_secs(8);
     /// The minimum when none is given: this fraction of the ceiling.
     pub const DEFAULT_MIN_FRACTION: f64 = 0.05;
 
@@ -264,9 +264,13 @@ impl Learning {
         let storm = self.throttled_at.is_some_and(|t| now < t + STORM_MICROS);
         let new = match self.good {
             Some(good) if good < rate => {
-                // A probe above what held failed: back to it.
+                // A probe above what held failed: back to it. Its 429 says
+                // nothing of the rate that held, so it does not start a
+                // storm: a lone 429 at that rate soon after is the edge's.
                 self.settle(limits, now);
-                good
+                self.cool_until = now + WINDOW_MICROS;
+                self.window = Some((now, 0));
+                return self.set(limits.clamp(good), rate, now);
             }
             Some(_) if !storm => {
                 // A lone 429 at a rate that held: it sits at the provider's

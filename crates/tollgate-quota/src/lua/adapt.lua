@@ -86,9 +86,12 @@ local function adapt_throttled(l, s, now)
   local storm = s.throttled and now < s.throttled + ADAPT_STORM_US
   local new
   if s.good and s.good < rate then
-    -- A probe above what held failed: back to it, and wait.
+    -- A probe above what held failed: back to it, and wait. Its 429 says
+    -- nothing of the rate that held, so it does not start a storm.
     adapt_settle(l, s, now)
     new = s.good
+    s.cool, s.win, s.n = now + ADAPT_WINDOW_US, now, 0
+    return adapt_set(s, adapt_effective(l, {rate = new}), rate, now)
   elseif s.good and not storm then
     -- A lone 429 at a rate that held: it sits at the provider's edge, where
     -- send jitter alone crosses it. One step back.
