@@ -271,10 +271,12 @@ async fn an_operator_signs_in_sees_a_tenant_and_changes_its_quota() {
             .await
             .unwrap();
     }
-    // Traffic: acme has a backlog at 5/s, so it sends and has jobs in line;
+    // Traffic: acme has a backlog at 5/s, so it sends and has jobs in line
+    // for the whole test (400 jobs last 80 s; a loaded CI machine has taken
+    // more than the 8 s that 40 would last just to reach the tenant list);
     // initech, with nothing stored, sends one job on the default quota.
     let worker = env.spawn_worker().await;
-    env.publish("acme", 40, |_| {}).await;
+    env.publish("acme", 400, |_| {}).await;
     env.publish("initech", 1, |_| {}).await;
     wait_for("acme's first sends and initech's", PATIENCE, || async {
         let received = provider.received();
