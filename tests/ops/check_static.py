@@ -676,7 +676,7 @@ def check_overlay(path: Path) -> str:
             if PLACEHOLDER in v:
                 fail(f"{where}: Secret {s['metadata']['name']} key {k} holds a placeholder ({PLACEHOLDER}): "
                      f"{rel(SECRET_EXAMPLE)} must never be a resource of an overlay")
-    if path.name == "prod" and secrets:
+    if path.name.startswith("prod") and secrets:
         fail(f"{where}: the prod overlay must not render a Secret (it is created out of band): {sorted(secrets)}")
     if secrets:
         s = secrets.get(secret_name)
@@ -779,17 +779,54 @@ def check_overlay(path: Path) -> str:
             for st in tas[ref]["spec"].get("secretTargetRef", []):
                 if st.get("name") != secret_name:
                     fail(f"{sw}: TriggerAuthentication {ref} must read the Secret {secret_name}")
+                # KEDA takes one URL: a key other than amqp-url (which may
+                # list every node) must be one the example Secret documents.
+                if st.get("key") not in secret_data and f"# {st.get('key')}:" not in SECRET_EXAMPLE.read_text():
+                    fail(f"{sw}: TriggerAuthentication {ref} reads key {st.get('key')!r}, which "
+                         f"{rel(SECRET_EXAMPLE)} neither has nor documents")
         want_q = [f"{prefix}.work.{i}" for i in range(shards)]
         if sorted(queues) != want_q:
             fail(f"{sw}: triggers must be exactly the work queues {want_q} (shards={shards}, prefix={prefix}), got {queues}")
     return f"{rel(path)} ({len(docs)} objects: {', '.join(sorted(by_kind))})"
 
 
+def check_rabbitmq_cluster() -> str:
+    """services/rabbitmq-cluster: what tollgate needs of each node. Its kind
+    (the RabbitMQ Cluster Operator's RabbitmqCluster) has no schema package
+    here, so the fields tollgate relies on are checked by name."""
+    path = K8S / "services/rabbitmq-cluster"
+    where = f"kubectl kustomize {rel(path)}"
+    docs = kustomize(path)
+    rc = [d for d in docs if d["kind"] == "RabbitmqCluster"]
+    if len(rc) != 1 or rc[0]["apiVersion"] != "rabbitmq.com/v1beta1":
+        fail(f"{where}: expected one rabbitmq.com/v1beta1 RabbitmqCluster")
+    for d in docs:
+        if d["kind"] != "RabbitmqCluster":
+            validate_core(d, where)
+    spec = rc[0]["spec"]
+    known = {"replicas", "rabbitmq", "persistence", "resources", "image", "service", "override", "tls",
+             "affinity", "tolerations", "terminationGracePeriodSeconds", "secretBackend", "skipPostDeploySteps",
+             "delayStartSeconds", "imagePullSecrets", "autoEnableAllFeatureFlags"}
+    if set(spec) - known:
+        fail(f"{where}: RabbitmqCluster.spec has fields the operator does not know: {sorted(set(spec) - known)}")
+    if set(spec.get("rabbitmq", {})) - {"additionalPlugins", "additionalConfig", "advancedConfig", "envConfig",
+                                         "erlangInetConfig"}:
+        fail(f"{where}: RabbitmqCluster.spec.rabbitmq has unknown fields: {sorted(spec['rabbitmq'])}")
+    if spec.get("replicas", 1) < 3:
+        fail(f"{where}: replicas must be at least 3 (quorum queues survive one node's loss of three)")
+    rabbit = spec.get("rabbitmq", {})
+    if "rabbitmq_consistent_hash_exchange" not in rabbit.get("additionalPlugins", []):
+        fail(f"{where}: additionalPlugins must enable rabbitmq_consistent_hash_exchange")
+    if not re.search(r"dead_letter_worker_publisher_confirm_timeout,\s*\d+", rabbit.get("advancedConfig", "")):
+        fail(f"{where}: advancedConfig must set dead_letter_worker_publisher_confirm_timeout")
+    return f"{rel(path)} (RabbitmqCluster: {spec['replicas']} nodes, plugin, forwarder timeout)"
+
+
 def check_kustomize() -> None:
     overlays = sorted(p for p in (K8S / "overlays").iterdir() if (p / "kustomization.yaml").is_file())
     if not overlays:
         fail("no overlays under deploy/kubernetes/overlays")
-    results = [check_secret_example()] + [check_overlay(o) for o in overlays]
+    results = [check_secret_example()] + [check_overlay(o) for o in overlays] + [check_rabbitmq_cluster()]
     prod = [r for r in results if "ScaledObject" in r and "PrometheusRule" in r]
     if not prod:
         fail("no overlay builds the KEDA ScaledObject and the PrometheusRule together")
@@ -878,6 +915,8 @@ def check_compose() -> None:
     if (w.get("command") or [None])[0] != "worker":
         fail(f"{where}: services.worker.command must be [worker]")
 
+    nodes = check_compose_cluster(services, mounted, where)
+
     prom = [p for k, p in mounted.items() if k.startswith("prometheus:") and k.endswith("prometheus.yml")]
     if prom:
         # promtool check config, with the files laid out as in the container.
@@ -896,7 +935,47 @@ def check_compose() -> None:
         if p.is_file() and p.suffix in (".yaml", ".yml"):
             load_yaml(p)
     ok(f"compose: {where} valid against the compose spec, {len(services)} services, "
-       f"{refs} local file references exist, worker config/env and Prometheus config valid")
+       f"{refs} local file references exist, worker config/env and Prometheus config valid, "
+       f"profile cluster: {nodes} RabbitMQ nodes in one cluster, its workers name each")
+
+
+def check_compose_cluster(services: dict, mounted: dict[str, Path], where: str) -> int:
+    """The `cluster` profile: RabbitMQ nodes that form one cluster with what
+    tollgate needs on each (the consistent-hash plugin, the dead-letter
+    forwarder's short confirm timeout), and workers that name every node."""
+    nodes = sorted(n for n, s in services.items() if "cluster" in s.get("profiles", []) and n.startswith("rabbit-"))
+    if len(nodes) < 3:
+        fail(f"{where}: the cluster profile needs 3 RabbitMQ nodes rabbit-N, has {nodes}")
+    for n in nodes:
+        s = services[n]
+        if s.get("hostname") != n:
+            fail(f"{where}: services.{n}.hostname must be {n} (its node name rabbit@{n})")
+        files = {t: mounted.get(f"{n}:/etc/rabbitmq/{t}") for t in ("enabled_plugins", "rabbitmq.conf", "advanced.config")}
+        for t, f in files.items():
+            if not f:
+                fail(f"{where}: services.{n} must mount /etc/rabbitmq/{t}")
+        if "rabbitmq_consistent_hash_exchange" not in files["enabled_plugins"].read_text():
+            fail(f"{where}: services.{n}: enabled_plugins lacks rabbitmq_consistent_hash_exchange")
+        if not re.search(r"dead_letter_worker_publisher_confirm_timeout,\s*\d+", files["advanced.config"].read_text()):
+            fail(f"{rel(files['advanced.config'])}: must set dead_letter_worker_publisher_confirm_timeout")
+        listed = re.findall(r"classic_config\.nodes\.\d+\s*=\s*rabbit@(\S+)", files["rabbitmq.conf"].read_text())
+        if sorted(listed) != nodes:
+            fail(f"{rel(files['rabbitmq.conf'])}: classic_config nodes {listed} are not the services {nodes}")
+        cookies = {s.get("environment", {}).get(k) for k in ("RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS", "RABBITMQ_CTL_ERL_ARGS")}
+        if len(cookies) != 1 or None in cookies or "-setcookie" not in cookies.pop():
+            fail(f"{where}: services.{n}: the node and its CLI tools need the same -setcookie")
+    w = services.get("worker-cluster")
+    if not w or "cluster" not in w.get("profiles", []):
+        fail(f"{where}: the cluster profile needs a service worker-cluster")
+    env = w.get("environment") or {}
+    check_env_keys(env, f"{where}: services.worker-cluster.environment")
+    urls = env.get("TOLLGATE_AMQP_URL", "").split(",")
+    hosts = sorted(re.sub(r"^amqps?://(?:[^@/]*@)?([^:/]+).*$", r"\1", u) for u in urls)
+    if hosts != nodes:
+        fail(f"{where}: worker-cluster's TOLLGATE_AMQP_URL names {hosts}, not every node {nodes}")
+    if env.get("TOLLGATE_PREFIX") in (None, (services["worker"].get("environment") or {}).get("TOLLGATE_PREFIX")):
+        fail(f"{where}: worker-cluster needs a TOLLGATE_PREFIX of its own (it shares the Redis)")
+    return len(nodes)
 
 
 # -------------------------------------------------------------- dockerfile
