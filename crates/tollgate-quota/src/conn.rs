@@ -25,6 +25,27 @@ pub struct RedisSettings {
     pub connect_timeout: Duration,
 }
 
+impl RedisSettings {
+    /// Whether `url` names one Redis tollgate can connect to; the error says
+    /// what is wrong with it (the caller names the setting and redacts it).
+    pub fn check_url(url: &str) -> Result<(), String> {
+        use redis::IntoConnectionInfo;
+        if url.contains(',') {
+            return Err(
+                "lists several URLs: tollgate connects to one Redis, a primary (with \
+                        replicas and failover behind one address), not a Redis Cluster"
+                    .into(),
+            );
+        }
+        url.into_connection_info().map(drop).map_err(|e| {
+            format!(
+                "is not a Redis URL (redis://[user:password@]host:port[/db], rediss:// for TLS, \
+                 redis+unix:///path): {e}"
+            )
+        })
+    }
+}
+
 pub struct Redis {
     pool: Pool,
     shared: Mutex<Option<MultiplexedConnection>>,

@@ -17,7 +17,7 @@ use tollgate_core::backoff::Backoff;
 use tollgate_core::job::Limits;
 use tollgate_core::ports::ThrottleScope;
 use tollgate_core::{DelayTiers, Policy, Quota, Rate};
-use tollgate_core::{Secret, SecretUrl};
+use tollgate_core::{Secret, SecretUrl, redact_url};
 use tollgate_provider::Route;
 use tollgate_quota::{PermitSettings, RedisSettings};
 use tollgate_runtime::baseline::Baseline;
@@ -335,6 +335,9 @@ impl Config {
             );
         }
         self.amqp_nodes()?;
+        let redis_url = self.redis_url.expose();
+        RedisSettings::check_url(redis_url)
+            .map_err(|e| anyhow::anyhow!("redis_url: {} {e}", redact_url(redis_url)))?;
         self.admin_token()?;
         self.policy()?;
         self.default_quota()?;
@@ -742,5 +745,34 @@ mod tests {
             ..Config::default()
         };
         assert!(format!("{:#}", bad.validate().unwrap_err()).contains("hold limit"));
+    }
+
+    #[test]
+    fn a_redis_url_that_is_not_one_redis_is_refused_without_its_password() {
+        let refused = |url: &str| {
+            let bad = Config {
+                redis_url: SecretUrl::new(url),
+                ..Config::default()
+            };
+            let error = format!("{:#}", bad.validate().unwrap_err());
+            assert!(error.starts_with("redis_url: "), "{error}");
+            assert!(!error.contains("s3cret"), "{error}");
+            error
+        };
+        let listed = refused("redis://:s3cret@a:6379,redis://:s3cret@b:6379");
+        assert!(listed.contains("not a Redis Cluster"), "{listed}");
+        let scheme = refused("http://:s3cret@a:6379");
+        assert!(scheme.contains("is not a Redis URL"), "{scheme}");
+        for fine in [
+            "redis://127.0.0.1:6379/2",
+            "rediss://u:p@h:6380",
+            "redis+unix:///tmp/r.sock",
+        ] {
+            let good = Config {
+                redis_url: SecretUrl::new(fine),
+                ..Config::default()
+            };
+            good.validate().unwrap();
+        }
     }
 }
