@@ -417,11 +417,8 @@ async fn permits_that_came_due_while_the_pod_was_busy_are_not_sent_late() {
     })
     .await;
     let received = provider.received();
-    let times: Vec<Instant> = received
-        .iter()
-        .filter(|r| r.status == 200)
-        .map(|r| r.instant)
-        .collect();
+    // Every call the provider saw, 429s included: what the quota bounds.
+    let times: Vec<Instant> = received.iter().map(|r| r.instant).collect();
     let throttled = received.iter().filter(|r| r.status == 429).count();
     let late = worker
         .metrics
@@ -431,8 +428,9 @@ async fn permits_that_came_due_while_the_pod_was_busy_are_not_sent_late() {
         max_in_window(&times, Duration::from_secs(1))
     );
     assert!(late > 0.0, "the slow calls made permits late");
-    assert_eq!(times.len(), JOBS as usize, "every job sent once");
     assert_eq!(throttled, 0, "the provider never saw more than the quota");
+    assert_eq!(sent_keys(&received).len(), JOBS as usize, "every job sent");
+    assert_eq!(times.len(), JOBS as usize, "and each once");
     assert!(max_in_window(&times, Duration::from_secs(1)) <= RATE as usize);
     worker.stop().await.unwrap();
     env.cleanup().await;
