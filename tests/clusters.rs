@@ -1,7 +1,8 @@
-//! tollgate on a RabbitMQ cluster of three nodes, started for the test by
+//! tollgate on a RabbitMQ cluster of three nodes and on a Redis Cluster of
+//! three masters with a replica each, started for the test by
 //! `scripts/clusters.sh` from Debian's packages on private ports and torn
-//! down after it (the shared servers are never touched). A cluster takes
-//! about 30 s to start on 2 cores, so these tests are `#[ignore]`d here;
+//! down after it (the shared servers are never touched). A RabbitMQ cluster
+//! takes about 30 s to start on 2 cores, so these tests are `#[ignore]`d here;
 //! `make test` runs them in its serial phase
 //! (`cargo test --test clusters -- --ignored --test-threads=1`).
 
@@ -11,10 +12,15 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-use tollgate_core::SecretUrl;
+use tollgate_core::{Job, SecretUrl};
 use tollgate_tests::{
-    FakeProvider, TestEnv, WorkerHandle, effects, fake_provider, max_in_window, wait_for,
+    FakeProvider, Received, TestEnv, WorkerHandle, effects, fake_provider, max_in_window, wait_for,
 };
+
+/// Each test's run: four tenants, 125 jobs each, at 10/s each.
+const TENANTS: [&str; 4] = ["acme", "globex", "initech", "umbrella"];
+const PER_TENANT: u32 = 125;
+const RATE: u32 = 10;
 
 /// Private clusters in a directory of their own, stopped when dropped.
 struct Clusters {
@@ -52,6 +58,11 @@ impl Clusters {
         self.settings
             .get(key)
             .unwrap_or_else(|| panic!("clusters.sh set no {key}"))
+    }
+
+    /// A comma-separated setting, split.
+    fn list(&self, key: &str) -> Vec<String> {
+        self.get(key).split(',').map(str::to_owned).collect()
     }
 
     /// `scripts/clusters.sh <command> DIR <args>`; its stdout.
@@ -92,6 +103,44 @@ impl Drop for Clusters {
     }
 }
 
+/// The most sends of one of `tenants` the provider saw in any second.
+fn busiest_second(received: &[Received], tenants: &[&str]) -> usize {
+    tenants
+        .iter()
+        .map(|t| {
+            let times: Vec<Instant> = received
+                .iter()
+                .filter(|r| r.tenant == *t)
+                .map(|r| r.instant)
+                .collect();
+            max_in_window(&times, Duration::from_secs(1))
+        })
+        .max()
+        .unwrap_or(0)
+}
+
+/// Publishes each test's jobs and waits until the provider has seen 80.
+async fn start_the_run(env: &TestEnv, provider: &FakeProvider) -> Vec<Job> {
+    let mut jobs = Vec::new();
+    for tenant in TENANTS {
+        jobs.extend(env.publish(tenant, PER_TENANT, |_| {}).await);
+    }
+    wait_for("the run to start", Duration::from_secs(30), || async {
+        provider.accepted() >= 80
+    })
+    .await;
+    jobs
+}
+
+async fn every_worker_ready(workers: &[WorkerHandle]) {
+    for w in workers {
+        wait_for("every worker ready", Duration::from_secs(30), || async {
+            w.worker.readiness().await.ready()
+        })
+        .await;
+    }
+}
+
 /// This installation's queues (name → the row `list_queues` gave).
 fn own_queues(rows: Vec<Value>, prefix: &str) -> HashMap<String, Value> {
     rows.into_iter()
@@ -106,15 +155,8 @@ fn own_queues(rows: Vec<Value>, prefix: &str) -> HashMap<String, Value> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "starts a private 3-node RabbitMQ cluster: make test runs it in its serial phase"]
 async fn a_rabbitmq_node_stopped_mid_run_loses_nothing_and_sends_nothing_twice() {
-    const TENANTS: [&str; 4] = ["acme", "globex", "initech", "umbrella"];
-    const PER_TENANT: u32 = 125;
-    const RATE: u32 = 10;
     let clusters = Clusters::up("--rabbit-only").await;
-    let nodes: Vec<String> = clusters
-        .get("RABBIT_NODES")
-        .split(',')
-        .map(str::to_owned)
-        .collect();
+    let nodes: Vec<String> = clusters.list("RABBIT_NODES");
     // The provider accepts everything; the quota is checked on what it saw.
     let provider = FakeProvider::start(fake_provider::always_ok())
         .await
@@ -160,15 +202,8 @@ async fn a_rabbitmq_node_stopped_mid_run_loses_nothing_and_sends_nothing_twice()
     for node in 0..nodes.len() {
         workers.push(env.spawn_worker_at_node(node).await);
     }
-    let mut jobs = Vec::new();
-    for tenant in TENANTS {
-        jobs.extend(env.publish(tenant, PER_TENANT, |_| {}).await);
-    }
+    let jobs = start_the_run(&env, &provider).await;
     let published = jobs.len();
-    wait_for("the run to start", Duration::from_secs(30), || async {
-        provider.accepted() >= 80
-    })
-    .await;
 
     // Stop the node that leads the most of this installation's queues: its
     // worker loses its connection and the queues elect new leaders.
@@ -241,26 +276,10 @@ async fn a_rabbitmq_node_stopped_mid_run_loses_nothing_and_sends_nothing_twice()
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    for w in &workers {
-        wait_for("every worker ready", Duration::from_secs(30), || async {
-            w.worker.readiness().await.ready()
-        })
-        .await;
-    }
+    every_worker_ready(&workers).await;
     let received = provider.received();
     let (sent, repeats) = effects(&received);
-    let busiest_second = TENANTS
-        .iter()
-        .map(|t| {
-            let times: Vec<Instant> = received
-                .iter()
-                .filter(|r| r.tenant == *t)
-                .map(|r| r.instant)
-                .collect();
-            max_in_window(&times, Duration::from_secs(1))
-        })
-        .max()
-        .unwrap_or(0);
+    let busiest_second = busiest_second(&received, &TENANTS);
     let dead = env.dead_letters().await.len();
     eprintln!(
         "rabbitmq node {} of 3 stopped: every work queue with its 3 consumers again {back_in:?} after; \
@@ -296,6 +315,130 @@ async fn a_rabbitmq_node_stopped_mid_run_loses_nothing_and_sends_nothing_twice()
     }
     // The test's own connection may have been to the stopped node.
     env.reconnect().await;
+    wait_for("queues to drain", Duration::from_secs(20), || async {
+        env.pending().await == 0
+    })
+    .await;
+    for w in workers {
+        w.stop().await.unwrap();
+    }
+    env.cleanup().await;
+}
+
+/// `redis-cli -p PORT ARGS…` against a node of the private cluster.
+fn redis_cli(addr: &str, args: &[&str]) -> String {
+    let (host, port) = addr.rsplit_once(':').expect("host:port");
+    let out = Command::new("redis-cli")
+        .args(["-h", host, "-p", port])
+        .args(args)
+        .output()
+        .expect("redis-cli runs");
+    String::from_utf8_lossy(&out.stdout).trim().to_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "starts a private 6-process Redis Cluster: make test runs it in its serial phase"]
+async fn a_redis_master_killed_mid_run_loses_nothing_and_sends_nothing_twice() {
+    let clusters = Clusters::up("--redis-only").await;
+    let nodes: Vec<String> = clusters.list("REDIS_CLUSTER_NODES");
+    let masters: Vec<String> = clusters.list("REDIS_CLUSTER_MASTERS");
+    let provider = FakeProvider::start(fake_provider::always_ok())
+        .await
+        .unwrap();
+    // Every node of the cluster, as an operator would list them.
+    let urls: Vec<String> = nodes.iter().map(|n| format!("redis://{n}")).collect();
+    let env = TestEnv::new_with(&provider.url(), |c| {
+        c.redis_url = SecretUrl::new(urls.join(","));
+        // As in the RabbitMQ test: six more processes beside a debug build
+        // on 2 cores delay requests beyond the default 2 % margin.
+        c.pacing_margin_pct = 10.0;
+    })
+    .await;
+    for tenant in TENANTS {
+        env.set_quota(tenant, &format!("{RATE}/s"), 1).await;
+    }
+    // Every key of the installation is in one slot: one master holds them.
+    let holding: Vec<&String> = masters
+        .iter()
+        .filter(|m| redis_cli(m, &["DBSIZE"]) != "0")
+        .collect();
+    assert_eq!(
+        holding.len(),
+        1,
+        "the keys of one installation share a slot: {holding:?}"
+    );
+    let master = holding[0].clone();
+
+    let mut workers: Vec<WorkerHandle> = Vec::new();
+    for _ in 0..3 {
+        workers.push(env.spawn_worker().await);
+    }
+    let jobs = start_the_run(&env, &provider).await;
+    let published = jobs.len();
+
+    // Crash the master that holds every key: its replica takes over.
+    let sent_before = provider.accepted();
+    let port = master.rsplit_once(':').expect("host:port").1.to_owned();
+    clusters.run(&["redis-kill", &port]).await;
+    let killed = Instant::now();
+    wait_for(
+        "sends to go on after the failover",
+        Duration::from_secs(60),
+        || async { provider.accepted() >= sent_before + 40 },
+    )
+    .await;
+    let resumed = killed.elapsed();
+    clusters.run(&["redis-start", &port]).await;
+    // The crashed master came back as a replica: its replica had taken over.
+    let role = redis_cli(&master, &["ROLE"]);
+    assert!(
+        role.starts_with("slave"),
+        "the killed master rejoined as a replica: {role}"
+    );
+
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while effects(&provider.received()).0.len() < published {
+        assert!(
+            Instant::now() < deadline,
+            "sent {} of {published} after 120 s",
+            effects(&provider.received()).0.len()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    every_worker_ready(&workers).await;
+    let received = provider.received();
+    let (sent, repeats) = effects(&received);
+    let busiest_second = busiest_second(&received, &TENANTS);
+    // The longest pause in sends around the crash: the failover as the
+    // provider saw it.
+    let mut around: Vec<Instant> = received
+        .iter()
+        .map(|r| r.instant)
+        .filter(|&t| t + Duration::from_secs(2) > killed && t < killed + Duration::from_secs(15))
+        .collect();
+    around.sort();
+    let pause = around
+        .windows(2)
+        .map(|w| w[1] - w[0])
+        .max()
+        .unwrap_or_default();
+    let dead = env.dead_letters().await.len();
+    eprintln!(
+        "redis master {master} killed: longest pause in sends {pause:?}, 40 more sent \
+         {resumed:?} after; published {published} = \
+         sent {} + dead-lettered {dead}; repeats {repeats}; most sends of a tenant in any 1 s \
+         {busiest_second} (quota {RATE})",
+        sent.len()
+    );
+    let expected: HashSet<String> = jobs.iter().map(|j| j.idempotency_key.to_string()).collect();
+    assert_eq!(sent, expected, "every job sent");
+    assert_eq!(repeats, 0, "no job sent twice");
+    assert_eq!(dead, 0, "no job dead-lettered");
+    assert!(
+        busiest_second <= RATE as usize + 1,
+        "the quota held, give or take the one send a lost write allows: \
+         {busiest_second} sends of one tenant in 1 s"
+    );
     wait_for("queues to drain", Duration::from_secs(20), || async {
         env.pending().await == 0
     })

@@ -5,15 +5,23 @@
 //! Why not `pool.get()` per call: deadpool-redis pings on every checkout to
 //! recycle the connection, which would double the round trips of the permit
 //! path. A multiplexed connection already pipelines concurrent callers.
+//!
+//! A Redis Cluster (`redis_url` listing its nodes) gets a cluster connection
+//! instead: it follows the slots (`MOVED`, a replica promoted on failover) by
+//! itself. Every key of an installation then shares one hash tag (see
+//! [`Redis::keys`]), so each script call, pipeline and scan stays in one slot.
 
 use std::sync::Mutex;
 use std::time::Duration;
 
 use deadpool_redis::{Manager, Pool, Runtime};
-use redis::AsyncConnectionConfig;
-use redis::aio::MultiplexedConnection;
+use redis::aio::{ConnectionLike, MultiplexedConnection};
+use redis::cluster::ClusterClient;
+use redis::cluster_async::ClusterConnection;
+use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, Slot, SlotAddr};
+use redis::{AsyncConnectionConfig, Cmd, Pipeline, RedisFuture, Value};
 
-use crate::QuotaError;
+use crate::{Keys, QuotaError};
 
 #[derive(Clone)]
 pub struct RedisSettings {
@@ -28,31 +36,123 @@ pub struct RedisSettings {
 impl RedisSettings {
     /// Whether `url` names one Redis tollgate can connect to; the error says
     /// what is wrong with it (the caller names the setting and redacts it).
+    /// Several URLs, separated by commas, name the nodes of a Redis Cluster
+    /// (any one that answers is enough to find the rest).
     pub fn check_url(url: &str) -> Result<(), String> {
         use redis::IntoConnectionInfo;
-        if url.contains(',') {
-            return Err(
-                "lists several URLs: tollgate connects to one Redis, a primary (with \
-                        replicas and failover behind one address), not a Redis Cluster"
-                    .into(),
-            );
+        let nodes = Self::nodes_of(url);
+        for (i, node) in nodes.iter().enumerate() {
+            let which = if nodes.len() > 1 {
+                format!(" (node {} of {})", i + 1, nodes.len())
+            } else {
+                String::new()
+            };
+            node.into_connection_info().map_err(|e| {
+                format!(
+                    "is not a Redis URL{which} (redis://[user:password@]host:port[/db], \
+                     rediss:// for TLS, redis+unix:///path): {e}"
+                )
+            })?;
+            if nodes.len() > 1 && node.starts_with("redis+unix") {
+                return Err(format!(
+                    "names a Redis Cluster node{which} by a unix socket: a cluster's nodes \
+                     are reached over TCP"
+                ));
+            }
         }
-        url.into_connection_info().map(drop).map_err(|e| {
-            format!(
-                "is not a Redis URL (redis://[user:password@]host:port[/db], rediss:// for TLS, \
-                 redis+unix:///path): {e}"
-            )
-        })
+        Ok(())
+    }
+
+    fn nodes_of(url: &str) -> Vec<&str> {
+        url.split(',').map(str::trim).collect()
+    }
+
+    /// Whether `url` names a Redis Cluster (several nodes).
+    pub fn is_cluster(&self) -> bool {
+        Self::nodes_of(&self.url).len() > 1
+    }
+}
+
+/// Where connections come from: one Redis, or a cluster.
+enum Source {
+    One(Pool),
+    Cluster(Box<ClusterClient>),
+}
+
+/// A connection to one Redis or to a cluster; cheap to clone, shared.
+#[derive(Clone)]
+pub enum Conn {
+    One(MultiplexedConnection),
+    Cluster(ClusterConnection),
+}
+
+impl ConnectionLike for Conn {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        match self {
+            Conn::One(c) => c.req_packed_command(cmd),
+            Conn::Cluster(c) => c.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        cmd: &'a Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
+        match self {
+            Conn::One(c) => c.req_packed_commands(cmd, offset, count),
+            Conn::Cluster(c) => c.req_packed_commands(cmd, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            Conn::One(c) => c.get_db(),
+            Conn::Cluster(c) => c.get_db(),
+        }
+    }
+}
+
+impl Conn {
+    /// Runs a command that names no key (`SCAN`, `TIME`) where the keys
+    /// like `near` live: on a cluster, the primary of its slot.
+    pub async fn query_near<T: redis::FromRedisValue>(
+        &mut self,
+        cmd: &Cmd,
+        near: &str,
+    ) -> redis::RedisResult<T> {
+        match self {
+            Conn::One(c) => cmd.query_async(c).await,
+            Conn::Cluster(c) => {
+                let route = Route::with_slot(Slot::for_key(near), SlotAddr::Master);
+                let routing = RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(route));
+                let value = c.route_command(cmd.clone(), routing).await?;
+                redis::from_redis_value(value).map_err(Into::into)
+            }
+        }
     }
 }
 
 pub struct Redis {
-    pool: Pool,
-    shared: Mutex<Option<MultiplexedConnection>>,
+    source: Source,
+    shared: Mutex<Option<Conn>>,
 }
 
 impl Redis {
     pub fn new(settings: &RedisSettings) -> Result<Self, QuotaError> {
+        let source = if settings.is_cluster() {
+            Source::Cluster(Box::new(Self::cluster_client(settings)?))
+        } else {
+            Source::One(Self::pool(settings)?)
+        };
+        Ok(Self {
+            source,
+            shared: Mutex::new(None),
+        })
+    }
+
+    fn pool(settings: &RedisSettings) -> Result<Pool, QuotaError> {
         let config = AsyncConnectionConfig::new()
             .set_response_timeout(Some(settings.response_timeout))
             .set_connection_timeout(Some(settings.connect_timeout));
@@ -69,31 +169,60 @@ impl Redis {
             }
             _ => Manager::new_with_config(settings.url.as_str(), config)?,
         };
-        let pool = Pool::builder(manager)
+        Pool::builder(manager)
             .max_size(4)
             .runtime(Runtime::Tokio1)
             .wait_timeout(Some(settings.connect_timeout))
             .create_timeout(Some(settings.connect_timeout))
             .recycle_timeout(Some(settings.response_timeout))
             .build()
-            .map_err(|e| QuotaError::Unavailable(format!("building the redis pool: {e}")))?;
-        Ok(Self {
-            pool,
-            shared: Mutex::new(None),
-        })
+            .map_err(|e| QuotaError::Unavailable(format!("building the redis pool: {e}")))
+    }
+
+    fn cluster_client(settings: &RedisSettings) -> Result<ClusterClient, QuotaError> {
+        let mut builder = ClusterClient::builder(RedisSettings::nodes_of(&settings.url))
+            .response_timeout(settings.response_timeout)
+            .connection_timeout(settings.connect_timeout);
+        if let Some(pem) = &settings.ca_pem {
+            builder = builder.certs(redis::TlsCertificates {
+                client_tls: None,
+                root_cert: Some(pem.clone()),
+            });
+        }
+        Ok(builder.build()?)
+    }
+
+    /// The key layout for `prefix`: on a cluster every key of the
+    /// installation carries the `{prefix}` hash tag, one slot for all, so
+    /// no script call (a tenant's keys with its route's and the
+    /// installation's), pipeline or scan crosses slots.
+    pub fn keys(&self, prefix: &str) -> Keys {
+        match self.source {
+            Source::One(_) => Keys::new(prefix),
+            Source::Cluster(_) => Keys::in_one_slot(prefix),
+        }
     }
 
     /// The shared connection, connecting first if there is none.
-    pub async fn conn(&self) -> Result<MultiplexedConnection, QuotaError> {
+    pub async fn conn(&self) -> Result<Conn, QuotaError> {
         if let Some(conn) = self.shared.lock().expect("not poisoned").clone() {
             return Ok(conn);
         }
-        let fresh = self
-            .pool
-            .get()
-            .await
-            .map_err(|e| QuotaError::Unavailable(e.to_string()))?;
-        let conn = deadpool_redis::Connection::take(fresh);
+        let conn = match &self.source {
+            Source::One(pool) => {
+                let fresh = pool
+                    .get()
+                    .await
+                    .map_err(|e| QuotaError::Unavailable(e.to_string()))?;
+                Conn::One(deadpool_redis::Connection::take(fresh))
+            }
+            Source::Cluster(client) => Conn::Cluster(
+                client
+                    .get_async_connection()
+                    .await
+                    .map_err(|e| QuotaError::Unavailable(e.to_string()))?,
+            ),
+        };
         *self.shared.lock().expect("not poisoned") = Some(conn.clone());
         Ok(conn)
     }
@@ -111,6 +240,27 @@ impl Redis {
         } else {
             QuotaError::Redis(err)
         }
+    }
+
+    /// `INFO section` of every node that holds data: the one Redis, or each
+    /// master of a cluster (tools and the bench add them up).
+    pub async fn info(&self, section: &str) -> Result<Vec<String>, QuotaError> {
+        let mut conn = self.conn().await?;
+        let reply: Value = redis::cmd("INFO")
+            .arg(section)
+            .query_async(&mut conn)
+            .await
+            .map_err(|e| self.classify(e))?;
+        let parts = match reply {
+            Value::Map(by_node) => by_node.into_iter().map(|(_, text)| text).collect(),
+            one => vec![one],
+        };
+        parts
+            .into_iter()
+            .map(|text| {
+                redis::from_redis_value(text).map_err(|e| QuotaError::BadReply(e.to_string()))
+            })
+            .collect()
     }
 
     /// Round trip check for readiness probes.

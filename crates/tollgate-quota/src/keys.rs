@@ -5,9 +5,11 @@
 //!
 //! Every key of a tenant lands in one slot, but the permit script also reads
 //! the route's keys and the default quota, and quota changes append to one
-//! audit stream: keys in other slots. So tollgate needs one Redis (a
-//! primary with replicas), not a Redis Cluster, which would refuse such a
-//! call (`CROSSSLOT`).
+//! audit stream: keys in other slots, which a Redis Cluster refuses in one
+//! call (`CROSSSLOT`). So on a cluster ([`Keys::in_one_slot`]) every key of
+//! an installation starts with the `{prefix}` tag instead: a key's first
+//! tag is the one that counts, so all share one slot (one master and its
+//! replicas), and every script call stays whole and atomic.
 
 use tollgate_core::{IdempotencyKey, JobId, Kind, TenantId};
 
@@ -20,6 +22,15 @@ impl Keys {
     pub fn new(prefix: impl Into<String>) -> Self {
         Self {
             prefix: prefix.into(),
+        }
+    }
+
+    /// The layout on a Redis Cluster: every key starts with `{prefix}` (a
+    /// key's first hash tag is the one that counts), so all of an
+    /// installation's keys share one slot.
+    pub fn in_one_slot(prefix: &str) -> Self {
+        Self {
+            prefix: format!("{{{prefix}}}"),
         }
     }
 
@@ -203,5 +214,67 @@ impl Keys {
     /// Pattern matching every key of this prefix (tests, demo, bench cleanup).
     pub fn all_pattern(&self) -> String {
         format!("{}:*", self.prefix)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use redis::cluster_routing::Slot;
+    use tollgate_core::{IdempotencyKey, JobId, Kind, TenantId};
+
+    use super::Keys;
+
+    fn every_key(keys: &Keys) -> Vec<String> {
+        let tenant = TenantId::parse("acme").unwrap();
+        let route = Kind::parse("email").unwrap();
+        let key = IdempotencyKey::parse("order-1").unwrap();
+        let id = JobId::parse("job-1").unwrap();
+        vec![
+            keys.quota(&tenant),
+            keys.tat(&tenant),
+            keys.waiting(&tenant),
+            keys.waiting_high(&tenant),
+            keys.waiting_low(&tenant),
+            keys.penalty(&tenant),
+            keys.in_flight(&tenant),
+            keys.adapt(&tenant),
+            keys.stats(&tenant),
+            keys.parked(&tenant),
+            keys.shadow_tat(&tenant),
+            keys.sent(&tenant, &key),
+            keys.lease(&tenant, &key),
+            keys.cancelled_id(&tenant, &id),
+            keys.cancelled_key(&tenant, &key),
+            keys.route_quota(&route),
+            keys.route_tat(&route),
+            keys.route_share(&route, &tenant),
+            keys.route_active(&route),
+            keys.route_weights(&route),
+            keys.route_adapt(&route),
+            keys.route_penalty(&route),
+            keys.default_quota(),
+            keys.default_adapt(),
+            keys.active_tenants(),
+            keys.tenants(),
+            keys.routes(),
+            keys.baseline_applied(),
+            keys.work_queues(),
+            keys.lock("seed"),
+            keys.audit(),
+        ]
+    }
+
+    #[test]
+    fn on_a_cluster_every_key_of_an_installation_shares_one_slot() {
+        let keys = Keys::in_one_slot("tollgate");
+        let slot = Slot::for_key("{tollgate}");
+        for key in every_key(&keys) {
+            assert!(key.starts_with("{tollgate}:"), "{key}");
+            assert_eq!(Slot::for_key(&key), slot, "{key}");
+        }
+        // On one Redis, a tenant's keys keep their own tag (and their names).
+        let single = every_key(&Keys::new("tollgate"));
+        assert_eq!(single[0], "tollgate:quota:{acme}");
+        assert_ne!(Slot::for_key(&single[0]), Slot::for_key(&single[15]));
     }
 }

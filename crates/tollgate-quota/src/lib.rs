@@ -25,7 +25,7 @@ mod permit;
 mod store;
 
 pub use activity::{Activity, ParkedCount, parked_bucket};
-pub use conn::{Redis, RedisSettings};
+pub use conn::{Conn, Redis, RedisSettings};
 pub use keys::Keys;
 pub use permit::{PermitSettings, RedisPermits, Reply, SharePlaces};
 pub use store::{Actor, AuditEntry, Cancel, Change, QuotaStore, Settings, Target, per_second};

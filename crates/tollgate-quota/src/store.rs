@@ -724,12 +724,10 @@ impl QuotaStore {
     }
 
     /// Redis's clock, in milliseconds (every pod agrees on it).
-    async fn now_ms(
-        &self,
-        conn: &mut redis::aio::MultiplexedConnection,
-    ) -> Result<i64, QuotaError> {
-        let (secs, micros): (i64, i64) = redis::cmd("TIME")
-            .query_async(conn)
+    async fn now_ms(&self, conn: &mut crate::Conn) -> Result<i64, QuotaError> {
+        // The clock of the node that holds the keys, as the scripts read it.
+        let (secs, micros): (i64, i64) = conn
+            .query_near(&redis::cmd("TIME"), &self.keys.audit())
             .await
             .map_err(|e| self.redis.classify(e))?;
         Ok(secs * 1000 + micros / 1000)
@@ -770,13 +768,15 @@ impl QuotaStore {
         let mut cursor: u64 = 0;
         let mut deleted = 0;
         loop {
-            let (next, batch): (u64, Vec<String>) = redis::cmd("SCAN")
-                .arg(cursor)
+            let mut scan = redis::cmd("SCAN");
+            scan.arg(cursor)
                 .arg("MATCH")
                 .arg(&pattern)
                 .arg("COUNT")
-                .arg(1000)
-                .query_async(&mut conn)
+                .arg(1000);
+            // On a cluster, every key of the prefix is on its slot's node.
+            let (next, batch): (u64, Vec<String>) = conn
+                .query_near(&scan, &self.keys.audit())
                 .await
                 .map_err(|e| self.redis.classify(e))?;
             if !batch.is_empty() {

@@ -33,7 +33,7 @@ use tollgate_core::{
     Policy, Progress, ProviderOutcome, UnixMillis,
 };
 use tollgate_provider::HttpProvider;
-use tollgate_quota::{Keys, QuotaStore, Redis, RedisPermits, Target};
+use tollgate_quota::{QuotaStore, Redis, RedisPermits, Target};
 use tracing::{Instrument, debug, error, info, info_span, warn};
 
 use crate::baseline::Baseline;
@@ -151,7 +151,7 @@ impl LiveWorker {
     pub fn new(settings: &WorkerSettings, metrics: Metrics) -> anyhow::Result<Self> {
         let s = settings;
         let redis = Arc::new(Redis::new(&s.redis)?);
-        let store = || QuotaStore::new(Arc::clone(&redis), Keys::new(&s.prefix));
+        let store = || QuotaStore::new(Arc::clone(&redis), redis.keys(&s.prefix));
         let seeder = s.baseline.as_ref().map(|b| Seeder {
             path: b.path.clone(),
             baseline: b.baseline.clone(),
@@ -159,7 +159,7 @@ impl LiveWorker {
             every: b.every,
         });
         let permits =
-            RedisPermits::new(Arc::clone(&redis), Keys::new(&s.prefix), s.permits.clone());
+            RedisPermits::new(Arc::clone(&redis), redis.keys(&s.prefix), s.permits.clone());
         let provider = HttpProvider::new(s.routes.clone(), s.provider_timeout)?;
         Ok(Self {
             amqp_nodes: Arc::clone(&s.amqp_nodes),

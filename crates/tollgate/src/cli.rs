@@ -15,7 +15,7 @@ use tollgate_core::{
     Adaptive, Clock, DeadReason, IdempotencyKey, Job, JobId, Kind, Priority, Quota, TenantId,
     UnixMillis,
 };
-use tollgate_quota::{Actor, Cancel, Change, Keys, QuotaStore, Redis, Settings, Target};
+use tollgate_quota::{Actor, Cancel, Change, QuotaStore, Redis, Settings, Target};
 
 use crate::config::Config;
 use tollgate_runtime::system_clock::SystemClock;
@@ -316,7 +316,8 @@ pub async fn connect_broker(config: &Config, role: &str) -> anyhow::Result<Broke
 
 pub fn quota_store(config: &Config) -> anyhow::Result<QuotaStore> {
     let redis = Arc::new(Redis::new(&config.redis_settings())?);
-    Ok(QuotaStore::new(redis, Keys::new(&config.prefix)))
+    let keys = redis.keys(&config.prefix);
+    Ok(QuotaStore::new(redis, keys))
 }
 
 impl PublishArgs {

@@ -748,7 +748,7 @@ mod tests {
     }
 
     #[test]
-    fn a_redis_url_that_is_not_one_redis_is_refused_without_its_password() {
+    fn a_redis_url_that_names_no_redis_is_refused_without_its_password() {
         let refused = |url: &str| {
             let bad = Config {
                 redis_url: SecretUrl::new(url),
@@ -759,14 +759,17 @@ mod tests {
             assert!(!error.contains("s3cret"), "{error}");
             error
         };
-        let listed = refused("redis://:s3cret@a:6379,redis://:s3cret@b:6379");
-        assert!(listed.contains("not a Redis Cluster"), "{listed}");
         let scheme = refused("http://:s3cret@a:6379");
         assert!(scheme.contains("is not a Redis URL"), "{scheme}");
+        let node = refused("redis://:s3cret@a:6379,http://:s3cret@b:6379");
+        assert!(node.contains("is not a Redis URL (node 2 of 2)"), "{node}");
+        let socket = refused("redis://:s3cret@a:6379,redis+unix:///tmp/r.sock");
+        assert!(socket.contains("unix socket"), "{socket}");
         for fine in [
             "redis://127.0.0.1:6379/2",
             "rediss://u:p@h:6380",
             "redis+unix:///tmp/r.sock",
+            "redis://:p@a:7000,redis://:p@b:7001",
         ] {
             let good = Config {
                 redis_url: SecretUrl::new(fine),

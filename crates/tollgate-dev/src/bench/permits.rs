@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use serde_json::json;
 use tollgate_core::ports::{PermitRequest, PermitStore};
 use tollgate_core::{IdempotencyKey, JobId, Kind, Quota, TenantId};
-use tollgate_quota::{Keys, QuotaStore, Redis, RedisPermits};
+use tollgate_quota::{QuotaStore, Redis, RedisPermits};
 
 use super::throughput::client_round_trips;
 use super::{BenchArgs, Figure, Scenario, progress};
@@ -31,17 +31,81 @@ pub async fn run(base: &Config, args: &BenchArgs) -> anyhow::Result<Scenario> {
         trivial.push(trivial_script(base, window).await?);
     }
     let ratios = permit.iter().zip(&trivial).map(|(p, t)| p / t).collect();
+    let on_cluster = on_a_redis_cluster(base, args).await?;
+    let cluster_ratios = on_cluster.iter().zip(&permit).map(|(c, p)| c / p).collect();
     Ok(Scenario {
         key: "permit_path",
         title: "Permit path",
-        parameters: json!({ "seconds": args.permit_seconds, "runs": args.runs, "in_flight": IN_FLIGHT }),
+        parameters: json!({
+            "seconds": args.permit_seconds,
+            "runs": args.runs,
+            "in_flight": IN_FLIGHT,
+            "cluster": "a private Redis Cluster of 3 masters and 3 replicas on this machine \
+                (scripts/clusters.sh), the installation's keys in one slot",
+        }),
         figures: vec![
             Figure::new("permit script", "decisions/s", permit),
             Figure::new("trivial EVALSHA", "calls/s", trivial),
             Figure::new("permit / trivial", "ratio", ratios),
             Figure::new("Redis round trips per decision", "calls", trips).target("<= 1"),
+            Figure::new(
+                "permit script on a Redis Cluster",
+                "decisions/s",
+                on_cluster,
+            ),
+            Figure::new("Redis Cluster / single Redis", "ratio", cluster_ratios),
         ],
     })
+}
+
+/// The permit script's decisions/s on a private Redis Cluster, started
+/// for the measurement and stopped after it.
+async fn on_a_redis_cluster(base: &Config, args: &BenchArgs) -> anyhow::Result<Vec<f64>> {
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/clusters.sh");
+    let dir = std::env::temp_dir().join(format!(
+        "tollgate-bench-cluster-{}",
+        &uuid::Uuid::new_v4().simple().to_string()[..8]
+    ));
+    let clusters = |verb: &str| {
+        let status = std::process::Command::new(&script)
+            .arg(verb)
+            .arg(&dir)
+            .args((verb == "up").then_some("--redis-only"))
+            .stdout(std::process::Stdio::null())
+            .status();
+        anyhow::ensure!(
+            status.as_ref().is_ok_and(|s| s.success()),
+            "{} {verb} {}: {status:?}",
+            script.display(),
+            dir.display()
+        );
+        Ok(())
+    };
+    progress("permit path: starting a private Redis Cluster");
+    clusters("up")?;
+    let measured = async {
+        let env = std::fs::read_to_string(dir.join("env"))?;
+        let nodes = env
+            .lines()
+            .find_map(|l| l.strip_prefix("REDIS_CLUSTER_NODES="))
+            .ok_or_else(|| anyhow::anyhow!("clusters.sh wrote no REDIS_CLUSTER_NODES"))?;
+        let urls: Vec<String> = nodes.split(',').map(|n| format!("redis://{n}")).collect();
+        let config = Config {
+            redis_url: tollgate_core::SecretUrl::new(urls.join(",")),
+            ..base.clone()
+        };
+        let mut rates = Vec::new();
+        for i in 1..=args.runs {
+            progress(&format!("permit path on a Redis Cluster {i}/{}", args.runs));
+            let window = Duration::from_secs(args.permit_seconds);
+            rates.push(permit_script(&config, window).await?.0);
+        }
+        anyhow::Ok(rates)
+    }
+    .await;
+    clusters("down")?;
+    let _ = std::fs::remove_dir_all(&dir);
+    measured
 }
 
 async fn permit_script(base: &Config, window: Duration) -> anyhow::Result<(f64, f64)> {
@@ -53,10 +117,10 @@ async fn permit_script(base: &Config, window: Duration) -> anyhow::Result<(f64, 
     let redis = Arc::new(Redis::new(&config.redis_settings())?);
     let permits = Arc::new(RedisPermits::new(
         Arc::clone(&redis),
-        Keys::new(&prefix),
+        redis.keys(&prefix),
         config.permit_settings()?,
     ));
-    let store = QuotaStore::new(Arc::clone(&redis), Keys::new(&prefix));
+    let store = QuotaStore::new(Arc::clone(&redis), redis.keys(&prefix));
     cli::set_tenant_quota(
         &store,
         "bench",

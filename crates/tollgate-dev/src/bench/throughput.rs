@@ -176,11 +176,8 @@ pub(super) async fn delete_queue(conn: &Connection, queue: &str) -> anyhow::Resu
 /// Calls Redis has executed so far of each command whose name `counted`
 /// accepts, summed, from `INFO commandstats`.
 pub async fn redis_calls(redis: &Redis, counted: impl Fn(&str) -> bool) -> anyhow::Result<u64> {
-    let mut conn = redis.conn().await?;
-    let info: String = tollgate_quota::redis_cmd("INFO")
-        .arg("commandstats")
-        .query_async(&mut conn)
-        .await?;
+    // Every master's counts, on a cluster.
+    let info = redis.info("commandstats").await?.join("\n");
     Ok(info
         .lines()
         .filter_map(|line| line.strip_prefix("cmdstat_")?.split_once(':'))
