@@ -936,7 +936,7 @@ def check_compose() -> None:
             load_yaml(p)
     ok(f"compose: {where} valid against the compose spec, {len(services)} services, "
        f"{refs} local file references exist, worker config/env and Prometheus config valid, "
-       f"profile cluster: {nodes} RabbitMQ nodes in one cluster, its workers name each")
+       f"profile cluster: {nodes} RabbitMQ nodes in one cluster and a 6-node Redis Cluster, its workers name each")
 
 
 def check_compose_cluster(services: dict, mounted: dict[str, Path], where: str) -> int:
@@ -974,7 +974,30 @@ def check_compose_cluster(services: dict, mounted: dict[str, Path], where: str) 
     if hosts != nodes:
         fail(f"{where}: worker-cluster's TOLLGATE_AMQP_URL names {hosts}, not every node {nodes}")
     if env.get("TOLLGATE_PREFIX") in (None, (services["worker"].get("environment") or {}).get("TOLLGATE_PREFIX")):
-        fail(f"{where}: worker-cluster needs a TOLLGATE_PREFIX of its own (it shares the Redis)")
+        fail(f"{where}: worker-cluster needs a TOLLGATE_PREFIX of its own")
+
+    # The Redis Cluster: nodes started with cluster mode, formed by one
+    # init service that names each, and the workers' redis URL naming each.
+    redis_nodes = sorted(n for n, s in services.items() if "cluster" in s.get("profiles", []) and re.fullmatch(r"redis-c\d+", n))
+    if len(redis_nodes) < 6:
+        fail(f"{where}: the cluster profile needs 6 Redis Cluster nodes redis-cN (3 masters, 3 replicas), has {redis_nodes}")
+    for n in redis_nodes:
+        s = services[n]
+        cmd = " ".join(s.get("command") or [])
+        if s.get("hostname") != n or "--cluster-enabled yes" not in cmd:
+            fail(f"{where}: services.{n} needs hostname {n} and --cluster-enabled yes")
+    init = services.get("redis-cluster-init") or {}
+    create = " ".join(init.get("command") or [])
+    named = sorted(re.findall(r"(redis-c\d+):6379", create.split("--cluster create", 1)[-1]))
+    if "--cluster-replicas 1" not in create or named != redis_nodes:
+        fail(f"{where}: redis-cluster-init must `redis-cli --cluster create` every node with 1 replica, names {named}")
+    deps = w.get("depends_on") or {}
+    if (deps.get("redis-cluster-init") or {}).get("condition") != "service_completed_successfully":
+        fail(f"{where}: worker-cluster must wait for redis-cluster-init to complete")
+    hosts = sorted(re.sub(r"^rediss?://(?:[^@/]*@)?([^:/]+).*$", r"\1", u)
+                   for u in env.get("TOLLGATE_REDIS_URL", "").split(","))
+    if hosts != redis_nodes:
+        fail(f"{where}: worker-cluster's TOLLGATE_REDIS_URL names {hosts}, not every Redis node {redis_nodes}")
     return len(nodes)
 
 
