@@ -34,7 +34,7 @@ pub struct RedisSettings {
 }
 
 impl RedisSettings {
-    /// Whether `url` names one Redis tollgate can connect to; the error says
+    /// Whether `url` names a Redis tollgate can connect to; the error says
     /// what is wrong with it (the caller names the setting and redacts it).
     /// Several URLs, separated by commas, name the nodes of a Redis Cluster
     /// (any one that answers is enough to find the rest).
