@@ -264,10 +264,11 @@ impl Redis {
     }
 
     /// Round trip check for readiness probes.
-    pub async fn ping(&self) -> Result<(), QuotaError> {
+    /// On a cluster, it asks the node that holds `near`'s slot: another
+    /// node answering says nothing of whether decisions can be made.
+    pub async fn ping(&self, near: &str) -> Result<(), QuotaError> {
         let mut conn = self.conn().await?;
-        redis::cmd("PING")
-            .query_async::<String>(&mut conn)
+        conn.query_near::<String>(&redis::cmd("PING"), near)
             .await
             .map(drop)
             .map_err(|e| self.classify(e))

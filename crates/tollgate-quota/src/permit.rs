@@ -735,7 +735,7 @@ impl PermitStore for RedisPermits {
     }
 
     async fn ping(&self) -> Result<(), QuotaError> {
-        self.redis.ping().await
+        self.redis.ping(&self.keys.audit()).await
     }
 
     async fn complete(
