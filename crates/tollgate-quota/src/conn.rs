@@ -60,6 +60,12 @@ impl RedisSettings {
                 ));
             }
         }
+        if nodes.len() > 1 {
+            // Building the client connects to nothing; it checks that the
+            // nodes agree (one password, user, database, TLS mode).
+            ClusterClient::new(nodes)
+                .map_err(|e| format!("names a Redis Cluster whose nodes disagree: {e}"))?;
+        }
         Ok(())
     }
 

@@ -765,6 +765,8 @@ mod tests {
         assert!(node.contains("is not a Redis URL (node 2 of 2)"), "{node}");
         let socket = refused("redis://:s3cret@a:6379,redis+unix:///tmp/r.sock");
         assert!(socket.contains("unix socket"), "{socket}");
+        let mixed = refused("redis://:s3cret@a:6379,redis://:other-s3cret@b:6379");
+        assert!(mixed.contains("nodes disagree"), "{mixed}");
         for fine in [
             "redis://127.0.0.1:6379/2",
             "rediss://u:p@h:6380",
