@@ -315,14 +315,7 @@ async fn a_rabbitmq_node_stopped_mid_run_loses_nothing_and_sends_nothing_twice()
     }
     // The test's own connection may have been to the stopped node.
     env.reconnect().await;
-    wait_for("queues to drain", Duration::from_secs(20), || async {
-        env.pending().await == 0
-    })
-    .await;
-    for w in workers {
-        w.stop().await.unwrap();
-    }
-    env.cleanup().await;
+    env.stop_when_drained(workers).await;
 }
 
 /// `redis-cli -p PORT ARGS…` against a node of the private cluster.
@@ -439,12 +432,5 @@ async fn a_redis_master_killed_mid_run_loses_nothing_and_sends_nothing_twice() {
         "the quota held, give or take the one send a lost write allows: \
          {busiest_second} sends of one tenant in 1 s"
     );
-    wait_for("queues to drain", Duration::from_secs(20), || async {
-        env.pending().await == 0
-    })
-    .await;
-    for w in workers {
-        w.stop().await.unwrap();
-    }
-    env.cleanup().await;
+    env.stop_when_drained(workers).await;
 }

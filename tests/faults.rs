@@ -533,14 +533,7 @@ async fn a_rabbitmq_restart_is_survived_without_restarting_workers() {
     assert!(ids(&jobs).is_subset(&sent));
     assert_eq!(dead, 0);
     assert_eq!(repeats, 0);
-    wait_for("queues to drain", Duration::from_secs(20), || async {
-        env.pending().await == 0
-    })
-    .await;
-    for w in workers {
-        w.stop().await.unwrap();
-    }
-    env.cleanup().await;
+    env.stop_when_drained(workers).await;
 }
 
 /// `dlq list` used to peek by fetch-and-requeue, which raises a quorum

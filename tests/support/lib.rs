@@ -296,6 +296,19 @@ impl TestEnv {
             .await
     }
 
+    /// Waits until every queue of this test is empty, stops `workers`, then
+    /// cleans up: the end of a run whose every job must have gone.
+    pub async fn stop_when_drained(self, workers: impl IntoIterator<Item = WorkerHandle>) {
+        wait_for("queues to drain", Duration::from_secs(20), || async {
+            self.pending().await == 0
+        })
+        .await;
+        for w in workers {
+            w.stop().await.unwrap();
+        }
+        self.cleanup().await;
+    }
+
     /// Deletes this test's queues, exchanges and Redis keys.
     pub async fn cleanup(mut self) {
         self.cleaned = true;
