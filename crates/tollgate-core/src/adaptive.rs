@@ -21,7 +21,8 @@
 //! - the 429s that answer sends made before a change are one burst: after
 //!   a change, 429s are ignored for one window;
 //! - a window (2 s) that passes without a 429, with the tenant sending at
-//!   least 80 % of the effective rate, marks that rate as holding. Climbing,
+//!   least 80 % of the effective rate, marks that rate as holding (a
+//!   probe's first step above a settled rate: two such windows). Climbing,
 //!   the rate then grows by `increase` of itself, and the step doubles with
 //!   every window that holds (5 %, 10 %, 20 % …), so a raised limit is found
 //!   in a few windows and a failed probe overshoots by one step only. A
@@ -213,6 +214,12 @@ pub struct Learning {
     pub good: Option<f64>,
     /// The step of the probe under way, as a fraction of the rate (0 = none).
     pub step: f64,
+    /// The rate is a probe's first step above a settled rate, which holds
+    /// after two windows, not one: a step of a few percent over the
+    /// provider's edge passed one window on send jitter alone (the sends
+    /// decided before it and the provider's own window leave little of one
+    /// window to judge it by), and the failure that followed fell back to it.
+    pub trial: bool,
     /// No probe up before this: a failed probe (or a lone 429 at a rate
     /// that held) settles the rate for a while.
     pub probe_at: u64,
@@ -239,6 +246,7 @@ impl Learning {
             rate: limits.ceiling,
             good: None,
             step: 0.0,
+            trial: false,
             probe_at: 0,
             probe_wait: 0,
             cool_until: 0,
@@ -260,6 +268,7 @@ impl Learning {
         if now < self.cool_until {
             return false;
         }
+        self.trial = false;
         let rate = self.effective(limits);
         let storm = self.throttled_at.is_some_and(|t| now < t + STORM_MICROS);
         let new = match self.good {
@@ -311,12 +320,18 @@ impl Learning {
         if now < self.cool_until || used < EXERCISED * rate {
             return false;
         }
+        if self.trial {
+            // Its first window held: one more before it counts.
+            self.trial = false;
+            return false;
+        }
         self.good = Some(rate);
         if self.step == 0.0 {
             if now < self.probe_at {
                 return false;
             }
             self.step = limits.increase;
+            self.trial = true;
         } else {
             // The last step up held: a later failure waits `probe` afresh.
             self.probe_wait = 0;
@@ -431,6 +446,51 @@ mod tests {
     }
 
     #[test]
+    fn a_probes_first_step_counts_only_after_two_windows() {
+        let l = limits(20.0, 1.0);
+        // Sends at 14/s until `until`; returns the time of the last.
+        fn send_until(l: &Tuning, s: &mut Learning, now: &mut u64, until: u64) -> u64 {
+            while *now < until {
+                *now += 1_000_000 / 14;
+                s.sent(l, *now);
+            }
+            *now
+        }
+        let mut s = Learning::new(&l);
+        s.throttled(&l, 0);
+        let mut now = 0;
+        // 14/s holds; a 429 at its next step settles it back at 14/s.
+        send_until(&l, &mut s, &mut now, WINDOW_MICROS + 200_000);
+        assert!(s.rate > 14.0);
+        let failed = now + 100_000;
+        s.throttled(&l, failed);
+        now = failed;
+        assert_eq!((s.rate, s.good), (14.0, Some(14.0)));
+        // After `probe`, the first step up: 14.7/s.
+        let until = s.probe_at + WINDOW_MICROS;
+        while s.rate == 14.0 && now < until {
+            let next = now + 1;
+            send_until(&l, &mut s, &mut now, next);
+        }
+        let probed = now;
+        let first = 14.0 * (1.0 + l.increase);
+        assert!((s.rate - first).abs() < 1e-9, "{}", s.rate);
+        assert!(s.trial);
+        // One window at it passes: not yet good, no second step.
+        let one = send_until(&l, &mut s, &mut now, probed + WINDOW_MICROS + 200_000);
+        assert!((s.rate - first).abs() < 1e-9, "{}", s.rate);
+        assert_eq!(s.good, Some(14.0));
+        // A 429 now falls back to 14/s, the rate that held.
+        let mut failing = s.clone();
+        failing.throttled(&l, one + 1);
+        assert_eq!(failing.rate, 14.0);
+        // A second window passes: it holds, and the climb goes on.
+        send_until(&l, &mut s, &mut now, one + WINDOW_MICROS + 200_000);
+        assert_eq!(s.good, Some(first));
+        assert!(s.rate > first && !s.trial);
+    }
+
+    #[test]
     fn an_unused_rate_is_never_raised() {
         let l = limits(20.0, 1.0);
         let mut s = Learning::new(&l);
@@ -456,6 +516,7 @@ mod tests {
     }
 
     /// A provider that accepts at most `limit` sends in any sliding second.
+    #[derive(Clone)]
     struct Provider {
         limit: usize,
         accepted: std::collections::VecDeque<u64>,
@@ -522,14 +583,27 @@ mod tests {
             f64::from(throttled) < 0.01 * f64::from(sends),
             "{throttled} × 429 in {sends} sends"
         );
-        p.limit = 12;
-        // A settled rate is probed above within 2 × probe (30 s).
-        let raised = simulate(&l, &mut s, &mut p, 150_000_000, 75);
-        let late: u32 = raised[45..].iter().map(|s| s.0).sum();
+        // A settled rate is probed above within 2 × probe, wherever in its
+        // settled period the limit rises: raises at each of 30 seconds.
+        let mut late = Vec::new();
+        for offset in 0..30 {
+            let (mut s, mut p) = (s.clone(), p.clone());
+            simulate(&l, &mut s, &mut p, 150_000_000, offset);
+            p.limit = 12;
+            let raised = simulate(&l, &mut s, &mut p, (150 + offset) * 1_000_000, 75);
+            late.push(raised[45..].iter().map(|s| s.0).sum::<u32>());
+        }
+        let mean = f64::from(late.iter().sum::<u32>()) / late.len() as f64;
         assert!(
-            f64::from(late) >= 0.9 * 12.0 * 30.0,
-            "{late} sends in the last 30 s at 12/s"
+            mean >= 0.9 * 12.0 * 30.0,
+            "{mean} sends on average in the last 30 s at 12/s: {late:?}"
         );
+        assert!(
+            late.iter().all(|&n| f64::from(n) >= 0.85 * 12.0 * 30.0),
+            "a raise not followed: {late:?}"
+        );
+        p.limit = 12;
+        simulate(&l, &mut s, &mut p, 150_000_000, 75);
         p.limit = 4;
         simulate(&l, &mut s, &mut p, 225_000_000, 30);
         assert!(

@@ -7,7 +7,8 @@
 -- A quota hash with adaptive = '1' holds the ceiling (count, period_ms), the
 -- minimum (min_count, min_period_ms), decrease, increase and probe_ms. Its
 -- learning lives in the target's adapt hash: rate (per second), good, step,
--- probe_at, probe_wait, cool, throttled, win, n, changed, audited,
+-- trial (1 while the rate is a probe's first step, which holds after two
+-- windows), probe_at, probe_wait, cool, throttled, win, n, changed, audited,
 -- audited_at (times in µs).
 
 local ADAPT_WINDOW_US = 2000000
@@ -32,7 +33,7 @@ local function adapt_limits(quota_key)
     probe = n[8] * 1000}
 end
 
-local ADAPT_FIELDS = {'rate', 'good', 'step', 'probe_at', 'probe_wait', 'cool', 'throttled', 'win', 'n', 'changed',
+local ADAPT_FIELDS = {'rate', 'good', 'step', 'trial', 'probe_at', 'probe_wait', 'cool', 'throttled', 'win', 'n', 'changed',
   'audited', 'audited_at'}
 
 local function adapt_load(key, l)
@@ -82,6 +83,7 @@ end
 -- A 429. Returns whether the rate changed.
 local function adapt_throttled(l, s, now)
   if now < s.cool then return false end
+  s.trial = nil
   local rate = adapt_effective(l, s)
   local storm = s.throttled and now < s.throttled + ADAPT_STORM_US
   local new
@@ -125,10 +127,16 @@ local function adapt_sent(l, s, now)
   local used = sent * 1e6 / elapsed
   -- A rate the tenant does not use is never raised.
   if now < s.cool or used < ADAPT_EXERCISED * rate then return false end
+  if s.trial then
+    -- A probe's first step: its first window held, one more before it counts.
+    s.trial = nil
+    return false
+  end
   s.good = rate
   if s.step == 0 then
     if now < s.probe_at then return false end
     s.step = l.increase
+    s.trial = 1
   else
     -- The last step up held: a later failure waits `probe` afresh.
     s.probe_wait = 0
