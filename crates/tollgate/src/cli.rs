@@ -165,7 +165,7 @@ pub enum QuotaCommand {
         #[arg(long, requires = "adaptive")]
         increase: Option<f64>,
         /// With --adaptive: seconds a rate that a failed probe fell back to is
-        /// kept before probing above it again (default 15).
+        /// kept before probing above it again (default 8).
         #[arg(long, requires = "adaptive")]
         probe: Option<f64>,
     },
