@@ -10,6 +10,7 @@
 pub mod adaptive;
 pub mod backoff;
 pub mod clock;
+pub mod cross_slot;
 pub mod ids;
 pub mod job;
 pub mod outcome;
