@@ -341,9 +341,11 @@ mod tests {
     enum Event {
         /// Time moves on by this many microseconds.
         Tick(u64),
-        /// Pod `pod` makes the next call of its job `job` (modulo its jobs).
+        /// Pod `pod` (modulo the pods) makes the next call of its job `job`
+        /// (modulo its jobs).
         Call { pod: usize, job: usize },
-        /// Pod `pod` dies and starts again with its jobs asking afresh.
+        /// Pod `pod` (modulo the pods) dies and starts again with its jobs
+        /// asking afresh.
         Crash { pod: usize },
     }
 
@@ -377,8 +379,9 @@ mod tests {
             for e in events {
                 match *e {
                     Event::Tick(d) => now += d,
-                    Event::Call { pod, job } => self.call(now, pod, job),
+                    Event::Call { pod, job } => self.call(now, pod % self.pods.len(), job),
                     Event::Crash { pod } => {
+                        let pod = pod % self.pods.len();
                         // What its jobs held (route send times, some
                         // granted by the tenant) is lost with it.
                         for (_, permit) in &mut self.pods[pod] {
@@ -430,14 +433,6 @@ mod tests {
             events in prop::collection::vec(event(4), 1..600),
         ) {
             let mut fleet = Fleet::new(&tenants, route, pods, jobs);
-            let events: Vec<Event> = events
-                .into_iter()
-                .map(|e| match e {
-                    Event::Call { pod, job } => Event::Call { pod: pod % pods, job },
-                    Event::Crash { pod } => Event::Crash { pod: pod % pods },
-                    tick => tick,
-                })
-                .collect();
             let end = fleet.run(&events);
             for (t, &(interval, burst)) in tenants.iter().enumerate() {
                 let mut sends = fleet.sent[t].clone();
