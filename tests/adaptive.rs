@@ -111,13 +111,15 @@ async fn throttle(permits: &RedisPermits, job: &Job, scope: ThrottleScope, now: 
         .unwrap()
 }
 
-/// Events: (a 429?, µs since the previous one).
+/// Events: (a 429?, µs since the previous one). Long enough runs to reach
+/// a settled rate's next probe and its trial's windows, and a climb resumed
+/// after a failed later step.
 fn events() -> impl Strategy<Value = Vec<(bool, u64)>> {
-    prop::collection::vec((prop::bool::weighted(0.08), 1u64..300_000), 1..120)
+    prop::collection::vec((prop::bool::weighted(0.08), 1u64..300_000), 1..240)
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
 
     /// The script and the specification, given the same outcomes at the
     /// same times, hold the same state after every one, to the bit.

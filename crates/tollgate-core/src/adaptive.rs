@@ -11,7 +11,8 @@
 //! The steps:
 //! - a 429 while the rate is above the last rate that held (a probe up
 //!   failed): back to that rate, and stay there for `probe` before trying
-//!   higher again (twice that when the probe before failed too);
+//!   higher again (twice that when the probe before failed too), or one
+//!   window when a climb's later step failed (below);
 //! - a lone 429 at a rate that held: that rate sits on the provider's edge,
 //!   where send jitter alone crosses it: one step (`increase`) back, and
 //!   stay there the same way;
@@ -26,7 +27,10 @@
 //!   the rate then grows by `increase` of itself, and the step doubles with
 //!   every window that holds (5 %, 10 %, 20 % …), so a raised limit is found
 //!   in a few windows and a failed probe overshoots by one step only. A
-//!   rate the tenant does not use is never raised.
+//!   climb's failed step that was not its first leaves the limit between
+//!   two rates more than a step apart: the probe begins again after one
+//!   window, from the rate that held, its first step proven by one window.
+//!   A rate the tenant does not use is never raised.
 
 use std::fmt;
 use std::time::Duration;
@@ -220,6 +224,9 @@ pub struct Learning {
     /// decided before it and the provider's own window leave little of one
     /// window to judge it by), and the failure that followed fell back to it.
     pub trial: bool,
+    /// The next probe resumes a climb whose later step failed, from the
+    /// rate its last step held a window ago: its first step is no trial.
+    pub resume: bool,
     /// No probe up before this: a failed probe (or a lone 429 at a rate
     /// that held) settles the rate for a while.
     pub probe_at: u64,
@@ -247,6 +254,7 @@ impl Learning {
             good: None,
             step: 0.0,
             trial: false,
+            resume: false,
             probe_at: 0,
             probe_wait: 0,
             cool_until: 0,
@@ -269,6 +277,7 @@ impl Learning {
             return false;
         }
         self.trial = false;
+        self.resume = false;
         let rate = self.effective(limits);
         let storm = self.throttled_at.is_some_and(|t| now < t + STORM_MICROS);
         let new = match self.good {
@@ -276,7 +285,18 @@ impl Learning {
                 // A probe above what held failed: back to it. Its 429 says
                 // nothing of the rate that held, so it does not start a
                 // storm: a lone 429 at that rate soon after is the edge's.
-                self.settle(limits, now);
+                if self.probe_wait == 0 && rate > good * (1.0 + limits.increase) {
+                    // A climb's step failed, not its first: the limit lies
+                    // between two rates more than a step apart. Probe
+                    // again from the one that held, after a window; should
+                    // that fail too, the wait that follows is doubled.
+                    self.step = 0.0;
+                    self.resume = true;
+                    self.probe_wait = limits.probe_micros;
+                    self.probe_at = now + WINDOW_MICROS;
+                } else {
+                    self.settle(limits, now);
+                }
                 self.cool_until = now + WINDOW_MICROS;
                 self.window = Some((now, 0));
                 return self.set(limits.clamp(good), rate, now);
@@ -331,7 +351,9 @@ impl Learning {
                 return false;
             }
             self.step = limits.increase;
-            self.trial = true;
+            // Above a settled rate the first step is a trial; above a rate
+            // a climb held a window ago (its next step failed), not.
+            self.trial = !std::mem::take(&mut self.resume);
         } else {
             // The last step up held: a later failure waits `probe` afresh.
             self.probe_wait = 0;
@@ -445,49 +467,89 @@ mod tests {
         assert!(s.rate > 14.0, "probes again after {} µs", l.probe_micros);
     }
 
-    #[test]
-    fn a_probes_first_step_counts_only_after_two_windows() {
-        let l = limits(20.0, 1.0);
-        // Sends at 14/s until `until`; returns the time of the last.
-        fn send_until(l: &Tuning, s: &mut Learning, now: &mut u64, until: u64) -> u64 {
-            while *now < until {
-                *now += 1_000_000 / 14;
-                s.sent(l, *now);
-            }
-            *now
+    /// Sends at 14/s for `micros`; returns the time of the last.
+    fn send_for(l: &Tuning, s: &mut Learning, now: &mut u64, micros: u64) -> u64 {
+        let until = *now + micros;
+        while *now < until {
+            *now += 1_000_000 / 14;
+            s.sent(l, *now);
         }
+        *now
+    }
+
+    /// A learning settled at 14/s after a failed probe, and its first step
+    /// up (a trial) begun at the returned time.
+    fn probing_above_14() -> (Tuning, Learning, u64) {
+        let l = limits(20.0, 1.0);
         let mut s = Learning::new(&l);
         s.throttled(&l, 0);
         let mut now = 0;
         // 14/s holds; a 429 at its next step settles it back at 14/s.
-        send_until(&l, &mut s, &mut now, WINDOW_MICROS + 200_000);
+        send_for(&l, &mut s, &mut now, WINDOW_MICROS + 200_000);
         assert!(s.rate > 14.0);
-        let failed = now + 100_000;
-        s.throttled(&l, failed);
-        now = failed;
+        now += 100_000;
+        s.throttled(&l, now);
         assert_eq!((s.rate, s.good), (14.0, Some(14.0)));
         // After `probe`, the first step up: 14.7/s.
         let until = s.probe_at + WINDOW_MICROS;
         while s.rate == 14.0 && now < until {
-            let next = now + 1;
-            send_until(&l, &mut s, &mut now, next);
+            send_for(&l, &mut s, &mut now, 1);
         }
-        let probed = now;
-        let first = 14.0 * (1.0 + l.increase);
-        assert!((s.rate - first).abs() < 1e-9, "{}", s.rate);
+        assert!(
+            (s.rate - 14.0 * (1.0 + l.increase)).abs() < 1e-9,
+            "{}",
+            s.rate
+        );
         assert!(s.trial);
+        (l, s, now)
+    }
+
+    #[test]
+    fn a_probes_first_step_counts_only_after_two_windows() {
+        let (l, mut s, mut now) = probing_above_14();
+        let first = s.rate;
         // One window at it passes: not yet good, no second step.
-        let one = send_until(&l, &mut s, &mut now, probed + WINDOW_MICROS + 200_000);
-        assert!((s.rate - first).abs() < 1e-9, "{}", s.rate);
+        let one = send_for(&l, &mut s, &mut now, WINDOW_MICROS + 200_000);
+        assert_eq!(s.rate, first);
         assert_eq!(s.good, Some(14.0));
         // A 429 now falls back to 14/s, the rate that held.
         let mut failing = s.clone();
         failing.throttled(&l, one + 1);
         assert_eq!(failing.rate, 14.0);
         // A second window passes: it holds, and the climb goes on.
-        send_until(&l, &mut s, &mut now, one + WINDOW_MICROS + 200_000);
+        send_for(&l, &mut s, &mut now, WINDOW_MICROS + 200_000);
         assert_eq!(s.good, Some(first));
         assert!(s.rate > first && !s.trial);
+    }
+
+    #[test]
+    fn a_climbs_later_step_that_fails_probes_again_after_a_window() {
+        let (l, mut s, mut now) = probing_above_14();
+        // The trial's two windows and the second step's hold: the third
+        // step (20 % up) is under way.
+        send_for(&l, &mut s, &mut now, 3 * WINDOW_MICROS + 600_000);
+        let held = s.good.unwrap();
+        assert!(held > 14.0 * (1.0 + l.increase));
+        assert!(s.rate > held * (1.0 + l.increase));
+        // It fails: back to the rate that held, and probing goes on after
+        // one window, not `probe`, its first step without a trial.
+        now += 1;
+        s.throttled(&l, now);
+        assert_eq!(s.rate, held);
+        assert_eq!(s.probe_at, now + WINDOW_MICROS);
+        send_for(&l, &mut s, &mut now, WINDOW_MICROS + 200_000);
+        assert!(
+            (s.rate - held * (1.0 + l.increase)).abs() < 1e-9,
+            "{}",
+            s.rate
+        );
+        assert!(!s.trial);
+        // That first step fails too: the limit lies within a step, and the
+        // rate settles for twice `probe` (a failure after a failure).
+        now += 1;
+        s.throttled(&l, now);
+        assert_eq!(s.rate, held);
+        assert_eq!(s.probe_at, now + 2 * l.probe_micros);
     }
 
     #[test]

@@ -7,9 +7,11 @@
 -- A quota hash with adaptive = '1' holds the ceiling (count, period_ms), the
 -- minimum (min_count, min_period_ms), decrease, increase and probe_ms. Its
 -- learning lives in the target's adapt hash: rate (per second), good, step,
--- trial (1 while the rate is a probe's first step, which holds after two
--- windows), probe_at, probe_wait, cool, throttled, win, n, changed, audited,
--- audited_at (times in µs).
+-- trial (1 while the rate is a probe's first step above a settled rate,
+-- which holds after two windows), resume (1 when the next
+-- probe resumes a climb whose later step failed: no trial), probe_at,
+-- probe_wait, cool, throttled, win, n, changed, audited, audited_at (times
+-- in µs).
 
 local ADAPT_WINDOW_US = 2000000
 local ADAPT_STORM_US = 3 * ADAPT_WINDOW_US
@@ -33,8 +35,8 @@ local function adapt_limits(quota_key)
     probe = n[8] * 1000}
 end
 
-local ADAPT_FIELDS = {'rate', 'good', 'step', 'trial', 'probe_at', 'probe_wait', 'cool', 'throttled', 'win', 'n', 'changed',
-  'audited', 'audited_at'}
+local ADAPT_FIELDS = {'rate', 'good', 'step', 'trial', 'resume', 'probe_at', 'probe_wait', 'cool', 'throttled', 'win',
+  'n', 'changed', 'audited', 'audited_at'}
 
 local function adapt_load(key, l)
   local f = redis.call('HMGET', key, unpack(ADAPT_FIELDS))
@@ -83,14 +85,21 @@ end
 -- A 429. Returns whether the rate changed.
 local function adapt_throttled(l, s, now)
   if now < s.cool then return false end
-  s.trial = nil
+  s.trial, s.resume = nil, nil
   local rate = adapt_effective(l, s)
   local storm = s.throttled and now < s.throttled + ADAPT_STORM_US
   local new
   if s.good and s.good < rate then
     -- A probe above what held failed: back to it, and wait. Its 429 says
     -- nothing of the rate that held, so it does not start a storm.
-    adapt_settle(l, s, now)
+    if s.probe_wait == 0 and rate > s.good * (1 + l.increase) then
+      -- A climb's later step failed: the limit lies between two rates more
+      -- than a step apart. Probe again from the one that held, after a
+      -- window; should that fail too, the wait that follows is doubled.
+      s.step, s.resume, s.probe_wait, s.probe_at = 0, 1, l.probe, now + ADAPT_WINDOW_US
+    else
+      adapt_settle(l, s, now)
+    end
     new = s.good
     s.cool, s.win, s.n = now + ADAPT_WINDOW_US, now, 0
     return adapt_set(s, adapt_effective(l, {rate = new}), rate, now)
@@ -136,7 +145,10 @@ local function adapt_sent(l, s, now)
   if s.step == 0 then
     if now < s.probe_at then return false end
     s.step = l.increase
-    s.trial = 1
+    -- Above a settled rate the first step is a trial; above a rate a climb
+    -- held a window ago (its next step failed), not.
+    if not s.resume then s.trial = 1 end
+    s.resume = nil
   else
     -- The last step up held: a later failure waits `probe` afresh.
     s.probe_wait = 0
