@@ -449,6 +449,66 @@ fn a_tenants_line_is_served_high_then_normal_then_low() {
     }
 }
 
+/// A tenant with no quota of its own is paced by the stored default
+/// (`quota set --default`), not the config's; a change of the default
+/// reaches a running pod by itself (its copy is read again once a second
+/// old). Two jobs of a fresh tenant ask at the same instant: at 2/s the
+/// second is beyond the 250 ms horizon, at 1000/s it is not.
+#[test]
+fn a_stored_default_quota_paces_tenants_without_one() {
+    runtime().block_on(async {
+        let (permits, quotas) = stores(Quota::parse("1000/s", 1).unwrap());
+        let set_default = |rate: &str| tollgate_quota::Change::SetQuota {
+            quota: Quota::new(rate.parse().unwrap(), 1).unwrap(),
+            concurrency: None,
+            weight: None,
+            adaptive: None,
+        };
+        let target = tollgate_quota::Target::Default;
+        let route = Kind::default_kind();
+        // Whether the second of two jobs of a fresh tenant, asking at the
+        // same instant, is granted too.
+        let both_granted = |round: u64| {
+            let permits = &permits;
+            let route = &route;
+            async move {
+                let tenant = TenantId::parse(format!("plain-{round}")).unwrap();
+                let mut granted = 0;
+                for i in 0..2 {
+                    let id = JobId::parse(format!("j{round}-{i}")).unwrap();
+                    let key = IdempotencyKey::from(&id);
+                    let req = request(&tenant, route, &id, &key);
+                    let reply = permits.decide(req, 1, Some(T0 + round * 10_000_000)).await;
+                    if let Reply::Decision(PermitDecision::Granted { .. }) = reply.unwrap() {
+                        granted += 1;
+                    }
+                }
+                granted == 2
+            }
+        };
+        quotas
+            .apply(&target, set_default("2/s"), &test_actor())
+            .await
+            .unwrap();
+        assert!(!both_granted(0).await, "the stored default (2/s) paces it");
+        quotas
+            .apply(&target, set_default("1000/s"), &test_actor())
+            .await
+            .unwrap();
+        let mut round = 0;
+        tollgate_tests::wait_for(
+            "the changed default to reach the pod",
+            Duration::from_secs(10),
+            || {
+                round += 1;
+                both_granted(round)
+            },
+        )
+        .await;
+        quotas.purge_prefix().await.unwrap();
+    });
+}
+
 fn test_actor() -> tollgate_quota::Actor {
     tollgate_quota::Actor {
         who: "test".into(),

@@ -4,9 +4,8 @@
 //! tenant's keys.
 //!
 //! Every key of a tenant lands in one slot, but the permit script also reads
-//! the route's keys and the default quota, and quota changes append to one
-//! audit stream: keys in other slots, which a Redis Cluster refuses in one
-//! call (`CROSSSLOT`). So on a cluster ([`Keys::in_one_slot`]) every key of
+//! the route's keys, and quota changes append to one audit stream: keys in
+//! other slots, which a Redis Cluster refuses in one call (`CROSSSLOT`). So on a cluster ([`Keys::in_one_slot`]) every key of
 //! an installation starts with the `{prefix}` tag instead: a key's first
 //! tag is the one that counts, so all share one slot (one master and its
 //! replicas), and every script call stays whole and atomic.

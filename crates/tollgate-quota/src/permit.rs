@@ -27,7 +27,7 @@ use tollgate_core::ports::{
 };
 use tollgate_core::{Kind, PermitDecision, Priority, Quota, Shadow, TenantId};
 
-use crate::store::AUDIT_MAX_LEN;
+use crate::store::{ACTIVE_FOR_S, AuditFields, audit_entry};
 use crate::{Keys, QuotaError, Redis, Target};
 
 /// The permit and completion scripts, called in batches through
@@ -48,7 +48,6 @@ struct PermitKeys {
     lease_key: String,
     cancelled_id_key: String,
     cancelled_idempotency_key: String,
-    default_quota_key: String,
     route_quota_key: String,
     route_tat_key: String,
     route_share_key: String,
@@ -63,7 +62,7 @@ struct PermitKeys {
 
 impl PermitKeys {
     #[cfg(test)]
-    const NAMES: [&'static str; 21] = [
+    const NAMES: [&'static str; 20] = [
         "tenant_quota_key",
         "tenant_tat_key",
         "tenant_waiting_key",
@@ -74,7 +73,6 @@ impl PermitKeys {
         "lease_key",
         "cancelled_id_key",
         "cancelled_idempotency_key",
-        "default_quota_key",
         "route_quota_key",
         "route_tat_key",
         "route_share_key",
@@ -99,7 +97,6 @@ impl PermitKeys {
             lease_key: k.lease(req.tenant, req.key),
             cancelled_id_key: k.cancelled_id(req.tenant, req.job_id),
             cancelled_idempotency_key: k.cancelled_key(req.tenant, req.key),
-            default_quota_key: k.default_quota(),
             route_quota_key: k.route_quota(req.route),
             route_tat_key: k.route_tat(req.route),
             route_share_key: k.route_share(req.route, req.tenant),
@@ -114,7 +111,7 @@ impl PermitKeys {
     }
 
     /// In [`PermitKeys::NAMES`] order.
-    fn in_order(self) -> [String; 21] {
+    fn in_order(self) -> [String; 20] {
         [
             self.tenant_quota_key,
             self.tenant_tat_key,
@@ -126,7 +123,6 @@ impl PermitKeys {
             self.lease_key,
             self.cancelled_id_key,
             self.cancelled_idempotency_key,
-            self.default_quota_key,
             self.route_quota_key,
             self.route_tat_key,
             self.route_share_key,
@@ -162,11 +158,12 @@ struct PermitArgs<'a> {
     priority: Priority,
     tenant_name: &'a str,
     returning_share_place: Option<u64>,
+    default_changed_ms: Option<u64>,
 }
 
 impl PermitArgs<'_> {
     #[cfg(test)]
-    const NAMES: [&'static str; 18] = [
+    const NAMES: [&'static str; 19] = [
         "default_count",
         "default_period_ms",
         "default_burst",
@@ -185,10 +182,11 @@ impl PermitArgs<'_> {
         "priority",
         "tenant_name",
         "returning_share_place",
+        "default_changed_ms",
     ];
 
     /// In [`PermitArgs::NAMES`] order.
-    fn in_order(&self) -> [String; 18] {
+    fn in_order(&self) -> [String; 19] {
         let optional = |v: Option<u64>| v.map(|v| v.to_string()).unwrap_or_default();
         [
             self.default_count.to_string(),
@@ -209,6 +207,7 @@ impl PermitArgs<'_> {
             self.priority.as_str().to_owned(),
             self.tenant_name.to_owned(),
             optional(self.returning_share_place),
+            optional(self.default_changed_ms),
         ]
     }
 }
@@ -367,6 +366,37 @@ pub struct RedisPermits {
     settings: PermitSettings,
     calls: Batched,
     local: Mutex<HashMap<LocalKey, Arc<KeyState>>>,
+    /// The stored default quota as this pod last read it, and when.
+    default_copy: tokio::sync::Mutex<Option<(Instant, Option<StoredDefault>)>>,
+}
+
+/// How old this pod's copy of the stored default quota may be: a change of
+/// the default reaches every pod within it. The permit script is not given
+/// the default's key, which lives outside the tenant's and the route's
+/// slots.
+const DEFAULT_COPY_FOR: Duration = Duration::from_secs(1);
+
+/// What a completion's reply asks the pod to write outside the tenant's
+/// slot (see [`RedisPermits::record_afterwards`]).
+#[derive(Clone, Copy, Debug)]
+struct Afterwards {
+    /// The stats bucket the completion began (seconds), else 0.
+    bucket_began_s: i64,
+    /// An adaptive quota's adjustment to audit: (old, new) in thousandths
+    /// per second, negative when none.
+    tenant_audit: (i64, i64),
+    route_audit: (i64, i64),
+    at_ms: i64,
+}
+
+/// The default quota as stored (`quota set --default`).
+#[derive(Clone, Copy, Debug)]
+struct StoredDefault {
+    count: u32,
+    period_ms: u64,
+    burst: u32,
+    /// When it last changed (places in line are re-spaced around it).
+    changed_ms: Option<u64>,
 }
 
 /// Groups per call of `batch.lua`, at most. A call blocks Redis (every
@@ -526,7 +556,43 @@ impl RedisPermits {
             keys,
             settings,
             local: Mutex::new(HashMap::new()),
+            default_copy: tokio::sync::Mutex::new(None),
         }
+    }
+
+    /// The stored default quota (none stored: `None`), read again once this
+    /// pod's copy is [`DEFAULT_COPY_FOR`] old.
+    async fn default_quota(&self) -> Result<Option<StoredDefault>, QuotaError> {
+        let mut copy = self.default_copy.lock().await;
+        if let Some((read, stored)) = *copy
+            && read.elapsed() < DEFAULT_COPY_FOR
+        {
+            return Ok(stored);
+        }
+        let mut conn = self.redis.conn().await?;
+        let fields: Vec<Option<String>> = redis::cmd("HMGET")
+            .arg(self.keys.default_quota())
+            .arg(&["count", "period_ms", "burst", "updated_at_ms"])
+            .query_async(&mut conn)
+            .await
+            .map_err(|e| self.redis.classify(e))?;
+        let field = |i: usize| fields.get(i).cloned().flatten();
+        let number = |i: usize| {
+            field(i)
+                .and_then(|v| v.parse::<u64>().ok())
+                .filter(|&n| n > 0)
+        };
+        let stored = match (number(0), number(1), number(2)) {
+            (Some(count), Some(period_ms), Some(burst)) => Some(StoredDefault {
+                count: u32::try_from(count).unwrap_or(u32::MAX),
+                period_ms,
+                burst: u32::try_from(burst).unwrap_or(u32::MAX),
+                changed_ms: number(3),
+            }),
+            _ => None,
+        };
+        *copy = Some((Instant::now(), stored));
+        Ok(stored)
     }
 
     /// One decision of the permit script (batched with the others this pod
@@ -539,10 +605,16 @@ impl RedisPermits {
         slots: u32,
         now_micros: Option<u64>,
     ) -> Result<Reply, QuotaError> {
-        let (s, d) = (&self.settings, &self.settings.default_quota);
+        let s = &self.settings;
+        let d = self.default_quota().await?.unwrap_or(StoredDefault {
+            count: s.default_quota.rate.count,
+            period_ms: s.default_quota.rate.period.as_millis() as u64,
+            burst: s.default_quota.burst,
+            changed_ms: None,
+        });
         let args = PermitArgs {
-            default_count: d.rate.count,
-            default_period_ms: d.rate.period.as_millis() as u64,
+            default_count: d.count,
+            default_period_ms: d.period_ms,
             default_burst: d.burst,
             lease_token: req.lease_token,
             horizon_us: micros(s.horizon),
@@ -559,6 +631,7 @@ impl RedisPermits {
             priority: req.priority,
             tenant_name: req.tenant.as_str(),
             returning_share_place: req.returning.and_then(|r| r.share_place),
+            default_changed_ms: d.changed_ms,
         };
         let keys = PermitKeys::new(&self.keys, &req).in_order().into();
         let reply = self
@@ -632,9 +705,7 @@ impl RedisPermits {
             self.keys.adapt(req.tenant),
             self.keys.route_quota(req.route),
             self.keys.route_adapt(req.route),
-            self.keys.audit(),
             self.keys.stats(req.tenant),
-            self.keys.active_tenants(),
         ];
         let args = vec![
             req.lease_token.to_owned(),
@@ -649,24 +720,94 @@ impl RedisPermits {
             penalty.map(|p| micros(p.wait)).unwrap_or(0).to_string(),
             now_micros.map(|n| n.to_string()).unwrap_or_default(),
             scope.to_owned(),
-            Target::Tenant(req.tenant.clone()).label(),
-            Target::Route(req.route.clone()).label(),
-            AUDIT_MAX_LEN.to_string(),
             due_lag
                 .map(|lag| lag.as_millis().to_string())
                 .unwrap_or_default(),
-            req.tenant.to_string(),
         ];
         let reply = self.calls.call(Group::Complete, keys, args).await?;
-        let rate = |i: usize| match reply.get(i) {
-            Some(&milli) if milli >= 0 => Ok(Some(milli as f64 / 1000.0)),
-            Some(_) => Ok(None),
-            None => Err(QuotaError::BadReply(format!("completion {reply:?}"))),
+        let value = |i: usize| {
+            reply
+                .get(i)
+                .copied()
+                .ok_or_else(|| QuotaError::BadReply(format!("completion {reply:?}")))
         };
-        Ok(Learned {
+        let rate = |i: usize| value(i).map(|milli| (milli >= 0).then(|| milli as f64 / 1000.0));
+        let learned = Learned {
             tenant: rate(1)?,
             route: rate(2)?,
-        })
+        };
+        let afterwards = Afterwards {
+            bucket_began_s: value(3)?,
+            tenant_audit: (value(4)?, value(5)?),
+            route_audit: (value(6)?, value(7)?),
+            at_ms: value(8)?,
+        };
+        self.record_afterwards(&req, afterwards).await;
+        Ok(learned)
+    }
+
+    /// What a completion leaves to write outside the tenant's slot: the
+    /// tenant marked active when it began a stats bucket, and an adaptive
+    /// quota's adjustment in the audit stream. Written after the
+    /// completion, in one round trip, only when there is something to write
+    /// (at most once per 10 s per tenant and per adaptive quota). A failure
+    /// is logged and not returned: the completion itself is written, and
+    /// running it again would count the outcome twice.
+    async fn record_afterwards(&self, req: &PermitRequest<'_>, after: Afterwards) {
+        let mut pipe = redis::pipe();
+        let mut any = false;
+        if after.bucket_began_s > 0 {
+            pipe.cmd("ZADD")
+                .arg(self.keys.active_tenants())
+                .arg("GT")
+                .arg(after.bucket_began_s)
+                .arg(req.tenant.as_str())
+                .ignore();
+            pipe.cmd("ZREMRANGEBYSCORE")
+                .arg(self.keys.active_tenants())
+                .arg("-inf")
+                .arg(after.bucket_began_s - ACTIVE_FOR_S)
+                .ignore();
+            any = true;
+        }
+        let effective = |milli: i64| {
+            serde_json::json!({ "effective": format!("{:.3}", milli as f64 / 1000.0) }).to_string()
+        };
+        for (target, (old, new)) in [
+            (Target::Tenant(req.tenant.clone()), after.tenant_audit),
+            (Target::Route(req.route.clone()), after.route_audit),
+        ] {
+            if old < 0 || new < 0 {
+                continue;
+            }
+            audit_entry(
+                &mut pipe,
+                &self.keys,
+                AuditFields {
+                    target: &target.label(),
+                    action: "adapt",
+                    who: "tollgate",
+                    source: "adaptive",
+                    at_ms: after.at_ms,
+                    old: &effective(old),
+                    new: &effective(new),
+                },
+            );
+            any = true;
+        }
+        if !any {
+            return;
+        }
+        let written = match self.redis.conn().await {
+            Ok(mut conn) => pipe
+                .query_async::<()>(&mut conn)
+                .await
+                .map_err(|e| self.redis.classify(e)),
+            Err(e) => Err(e),
+        };
+        if let Err(e) = written {
+            tracing::warn!(tenant = req.tenant.as_str(), error = %e, "could not mark the tenant active or audit an adaptive adjustment");
+        }
     }
 
     fn state(&self, key: &LocalKey) -> Arc<KeyState> {

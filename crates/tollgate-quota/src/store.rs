@@ -320,7 +320,7 @@ pub struct AuditEntry {
 
 /// How long a tenant stays listed after its last outcome (`complete.lua`'s
 /// `STATS_TTL_S`).
-const ACTIVE_FOR_S: i64 = 600;
+pub(crate) const ACTIVE_FOR_S: i64 = 600;
 
 pub struct QuotaStore {
     pub(crate) redis: Arc<Redis>,
@@ -735,7 +735,7 @@ impl QuotaStore {
         Ok(secs * 1000 + micros / 1000)
     }
 
-    /// Appends one audit entry to `pipe`.
+    /// Appends one audit entry by `actor` to `pipe`.
     fn audit_entry(
         &self,
         pipe: &mut redis::Pipeline,
@@ -745,22 +745,19 @@ impl QuotaStore {
         at_ms: i64,
         new: &str,
     ) {
-        pipe.cmd("XADD")
-            .arg(self.keys.audit())
-            .arg("MAXLEN")
-            .arg("~")
-            .arg(AUDIT_MAX_LEN)
-            .arg("*")
-            .arg(&[
-                ("target", target),
-                ("action", action),
-                ("who", &actor.who),
-                ("source", actor.source),
-                ("at_ms", &at_ms.to_string()),
-                ("old", "{}"),
-                ("new", new),
-            ])
-            .ignore();
+        audit_entry(
+            pipe,
+            &self.keys,
+            AuditFields {
+                target,
+                action,
+                who: &actor.who,
+                source: actor.source,
+                at_ms,
+                old: "{}",
+                new,
+            },
+        );
     }
 
     /// Deletes every key under this prefix (tests, demo, bench cleanup).
@@ -794,6 +791,37 @@ impl QuotaStore {
             cursor = next;
         }
     }
+}
+
+/// One entry of the audit stream.
+pub(crate) struct AuditFields<'a> {
+    pub target: &'a str,
+    pub action: &'a str,
+    pub who: &'a str,
+    pub source: &'a str,
+    pub at_ms: i64,
+    pub old: &'a str,
+    pub new: &'a str,
+}
+
+/// Appends one audit entry to `pipe`.
+pub(crate) fn audit_entry(pipe: &mut redis::Pipeline, keys: &Keys, e: AuditFields<'_>) {
+    pipe.cmd("XADD")
+        .arg(keys.audit())
+        .arg("MAXLEN")
+        .arg("~")
+        .arg(AUDIT_MAX_LEN)
+        .arg("*")
+        .arg(&[
+            ("target", e.target),
+            ("action", e.action),
+            ("who", e.who),
+            ("source", e.source),
+            ("at_ms", &e.at_ms.to_string()),
+            ("old", e.old),
+            ("new", e.new),
+        ])
+        .ignore();
 }
 
 /// What to cancel.

@@ -169,26 +169,26 @@ local function adapt_audit(l, s, now)
   return last, rate
 end
 
+-- Thousandths, as the replies carry rates.
+local function adapt_milli(rate) return math.floor(rate * 1000 + 0.5) end
+
 -- One outcome for one adaptive target ('sent' or 'throttled'): learns from
--- it, appends a large enough change to the audit stream, and returns the
--- effective rate in thousandths per second (-1 when the quota does not
--- adapt; then nothing else is read, not even the clock).
-local function adapt_learn(quota_key, adapt_key, outcome, now_override, audit_key, label, audit_max)
+-- it and returns the effective rate in thousandths per second (-1 when the
+-- quota does not adapt; then nothing else is read, not even the clock),
+-- and, when the change is large enough to be audited, the rates the entry
+-- shows (old, new, in thousandths) and when (ms). The caller appends the
+-- entry: the audit stream lives outside the target's slot.
+local function adapt_learn(quota_key, adapt_key, outcome, now_override)
   local l = adapt_limits(quota_key)
   if not l then return -1 end
   local now = now_us(now_override)
   local s = adapt_load(adapt_key, l)
   if outcome == 'throttled' then adapt_throttled(l, s, now) else adapt_sent(l, s, now) end
   local last, rate = adapt_audit(l, s, now)
-  if last then
-    redis.call('XADD', audit_key, 'MAXLEN', '~', audit_max, '*',
-      'target', label, 'action', 'adapt', 'who', 'tollgate', 'source', 'adaptive',
-      'at_ms', string.format('%d', math.floor(now / 1000)),
-      'old', cjson.encode({effective = string.format('%.3f', last)}),
-      'new', cjson.encode({effective = string.format('%.3f', rate)}))
-  end
   adapt_save(adapt_key, s)
-  return math.floor(adapt_effective(l, s) * 1000 + 0.5)
+  local effective = adapt_milli(adapt_effective(l, s))
+  if last then return effective, adapt_milli(last), adapt_milli(rate), math.floor(now / 1000) end
+  return effective
 end
 
 -- The bucket of an adaptive quota: spaced at the effective rate, its places

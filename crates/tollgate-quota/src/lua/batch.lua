@@ -3,8 +3,8 @@
 -- each atomic, in the order they were asked for.
 --
 -- ARGV[1] names each group's kind, one letter per group in order:
---   'p'  a permit decision: 21 keys, 18 arguments
---   'c'  a completion: 12 keys, 12 arguments
+--   'p'  a permit decision: 20 keys, 19 arguments
+--   'c'  a completion: 10 keys, 8 arguments
 -- The groups' keys and arguments follow, one group after another.
 -- Reply: one per group, in order.
 -- (On a Redis Cluster a batch must hold only keys of one slot.)
@@ -14,11 +14,11 @@ local replies = {}
 local k, a = 0, 1
 for i = 1, #kinds do
   if string.sub(kinds, i, i) == 'p' then
-    replies[i] = permit({unpack(KEYS, k + 1, k + 21)}, {unpack(ARGV, a + 1, a + 18)})
-    k, a = k + 21, a + 18
+    replies[i] = permit({unpack(KEYS, k + 1, k + 20)}, {unpack(ARGV, a + 1, a + 19)})
+    k, a = k + 20, a + 19
   else
-    replies[i] = complete({unpack(KEYS, k + 1, k + 12)}, {unpack(ARGV, a + 1, a + 12)})
-    k, a = k + 12, a + 12
+    replies[i] = complete({unpack(KEYS, k + 1, k + 10)}, {unpack(ARGV, a + 1, a + 8)})
+    k, a = k + 10, a + 8
   end
 end
 return replies

@@ -21,22 +21,21 @@
 -- KEYS[8]  lease_key                  the idempotency key's in-flight lease
 -- KEYS[9]  cancelled_id_key           cancellation by job id
 -- KEYS[10] cancelled_idempotency_key  cancellation by idempotency key
--- KEYS[11] default_quota_key          hash: count period_ms burst (the stored default)
--- KEYS[12] route_quota_key            hash: count period_ms burst
--- KEYS[13] route_tat_key              the route's TAT
--- KEYS[14] route_share_key            this tenant's line on the route (its share of the route's capacity)
--- KEYS[15] route_penalty_key          provider 429 on a route whose 429s are account-wide
--- KEYS[16] tenant_waiting_high_key    the tenant's line of waiting high-priority jobs
--- KEYS[17] tenant_waiting_low_key     the tenant's line of waiting low-priority jobs
--- KEYS[18] route_active_key           zset: tenant with work on the route -> until when (microseconds)
--- KEYS[19] route_weights_key          hash: 'w:<tenant>' -> weight counted, 'total' -> their sum, 'changed' -> when it last changed,
+-- KEYS[11] route_quota_key            hash: count period_ms burst
+-- KEYS[12] route_tat_key              the route's TAT
+-- KEYS[13] route_share_key            this tenant's line on the route (its share of the route's capacity)
+-- KEYS[14] route_penalty_key          provider 429 on a route whose 429s are account-wide
+-- KEYS[15] tenant_waiting_high_key    the tenant's line of waiting high-priority jobs
+-- KEYS[16] tenant_waiting_low_key     the tenant's line of waiting low-priority jobs
+-- KEYS[17] route_active_key           zset: tenant with work on the route -> until when (microseconds)
+-- KEYS[18] route_weights_key          hash: 'w:<tenant>' -> weight counted, 'total' -> their sum, 'changed' -> when it last changed,
 --                                     'v' -> the route's virtual time then
--- KEYS[20] tenant_adapt_key           what the tenant's adaptive quota learned (`adapt.lua`)
--- KEYS[21] route_adapt_key            what the route's adaptive quota learned
+-- KEYS[19] tenant_adapt_key           what the tenant's adaptive quota learned (`adapt.lua`)
+-- KEYS[20] route_adapt_key            what the route's adaptive quota learned
 --
--- ARGV[1]  default_count              default quota from config: count
--- ARGV[2]  default_period_ms          default quota from config: period, milliseconds
--- ARGV[3]  default_burst              default quota from config: burst
+-- ARGV[1]  default_count              the default quota (the stored one, else the config's): count
+-- ARGV[2]  default_period_ms          the default quota: period, milliseconds
+-- ARGV[3]  default_burst              the default quota: burst
 -- ARGV[4]  lease_token                lease token of this attempt
 -- ARGV[5]  horizon_us                 reservation horizon, microseconds
 -- ARGV[6]  lease_ttl_ms               lease ttl, milliseconds
@@ -53,6 +52,9 @@
 -- ARGV[17] tenant_name                the tenant's name (its member in the route's sets)
 -- ARGV[18] returning_share_place      a job back for a place on its share of the route: that place in the
 --                                     route's virtual time ("" = none)
+-- ARGV[19] default_changed_ms         when the stored default quota last changed, milliseconds ("" = the
+--                                     config's): the pod reads it (at most a second old), so this
+--                                     script touches no key outside the tenant's and the route's slots
 --
 -- Reply: one {code, a, b, c} per group, in order:
 --   {0, delay, shadow, send, leeway}
@@ -87,17 +89,16 @@ local function permit(KEYS, ARGV)
   local lease_key = KEYS[8]
   local cancelled_id_key = KEYS[9]
   local cancelled_idempotency_key = KEYS[10]
-  local default_quota_key = KEYS[11]
-  local route_quota_key = KEYS[12]
-  local route_tat_key = KEYS[13]
-  local route_share_key = KEYS[14]
-  local route_penalty_key = KEYS[15]
-  local tenant_waiting_high_key = KEYS[16]
-  local tenant_waiting_low_key = KEYS[17]
-  local route_active_key = KEYS[18]
-  local route_weights_key = KEYS[19]
-  local tenant_adapt_key = KEYS[20]
-  local route_adapt_key = KEYS[21]
+  local route_quota_key = KEYS[11]
+  local route_tat_key = KEYS[12]
+  local route_share_key = KEYS[13]
+  local route_penalty_key = KEYS[14]
+  local tenant_waiting_high_key = KEYS[15]
+  local tenant_waiting_low_key = KEYS[16]
+  local route_active_key = KEYS[17]
+  local route_weights_key = KEYS[18]
+  local tenant_adapt_key = KEYS[19]
+  local route_adapt_key = KEYS[20]
   local default_count = ARGV[1]
   local default_period_ms = ARGV[2]
   local default_burst = ARGV[3]
@@ -116,6 +117,7 @@ local function permit(KEYS, ARGV)
   local priority = ARGV[16]
   local tenant_name = ARGV[17]
   local returning_share_place = ARGV[18]
+  local default_changed_ms = ARGV[19]
 
   local now = now_us(now_override_us)
   local horizon = tonumber(horizon_us)
@@ -165,10 +167,7 @@ local function permit(KEYS, ARGV)
 
   -- An adaptive quota is spaced at the rate learned (its own is the ceiling).
   local tenant = adapt_bucket(bucket(q[1], q[2], q[3], q[9]), q[11], tenant_quota_key, tenant_adapt_key, pacing)
-  if not tenant then
-    local d = redis.call('HMGET', default_quota_key, 'count', 'period_ms', 'burst', 'updated_at_ms')
-    tenant = bucket(d[1], d[2], d[3], d[4]) or bucket(default_count, default_period_ms, default_burst, nil)
-  end
+  if not tenant then tenant = bucket(default_count, default_period_ms, default_burst, default_changed_ms) end
   local r = redis.call('HMGET', route_quota_key, 'count', 'period_ms', 'burst', 'updated_at_ms', 'adaptive')
   local route = adapt_bucket(bucket(r[1], r[2], r[3], r[4]), r[5], route_quota_key, route_adapt_key, pacing)
 
