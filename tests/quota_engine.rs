@@ -1004,3 +1004,77 @@ async fn a_cancel_outlives_its_job_and_every_copy_of_it() {
     worker.stop().await.unwrap();
     env.cleanup().await;
 }
+
+/// An installation from before each target kept its own baseline mark kept
+/// them all in one hash. Such a mark still counts (a quota deleted then is
+/// not seeded back), and the first seed of the target carries it over.
+#[tokio::test]
+async fn a_baseline_mark_kept_in_the_older_hash_still_counts() {
+    let env = TestEnv::new("http://127.0.0.1:9/unused").await;
+    let acme = tenant("acme");
+    let actor = tollgate_quota::Actor {
+        who: "baseline".into(),
+        source: "baseline",
+    };
+    let seven = || Change::SetQuota {
+        quota: quota("7/s", 1),
+        concurrency: None,
+        weight: None,
+        adaptive: None,
+    };
+    let legacy = tollgate_quota::Keys::new(&env.config.prefix).legacy_baseline_marks();
+    let redis = tollgate_quota::Redis::new(&env.config.redis_settings()).unwrap();
+    let mut conn = redis.conn().await.unwrap();
+    tollgate_quota::redis_cmd("HSET")
+        .arg(&legacy)
+        .arg(acme.label())
+        .arg("entry-1")
+        .query_async::<()>(&mut conn)
+        .await
+        .unwrap();
+    assert!(env.quotas.in_baseline(&acme).await.unwrap());
+
+    let seeded = |fingerprint: &'static str| {
+        let (quotas, acme, actor) = (&env.quotas, &acme, &actor);
+        async move {
+            quotas
+                .seed(acme, seven(), fingerprint, false, actor)
+                .await
+                .unwrap()
+        }
+    };
+    assert!(!seeded("entry-1").await, "a deleted quota was seeded back");
+    assert_eq!(env.quotas.get(&acme).await.unwrap(), None);
+    // Carried over: gone from the old hash, and it still counts.
+    let still_there: bool = tollgate_quota::redis_cmd("HEXISTS")
+        .arg(&legacy)
+        .arg(acme.label())
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert!(!still_there);
+    assert!(env.quotas.in_baseline(&acme).await.unwrap());
+    assert!(!seeded("entry-1").await, "a deleted quota was seeded back");
+    // A changed entry is seeded, audited and listed.
+    assert!(seeded("entry-2").await);
+    assert_eq!(
+        env.quotas.get(&acme).await.unwrap().and_then(|s| s.quota),
+        Some(quota("7/s", 1))
+    );
+    let history = env.quotas.history(Some(&acme), 5).await.unwrap();
+    assert_eq!(history.len(), 1);
+    assert_eq!(
+        (history[0].who.as_str(), history[0].source.as_str()),
+        ("baseline", "baseline")
+    );
+    let listed: Vec<String> = env
+        .quotas
+        .tenants()
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|(t, _)| t.to_string())
+        .collect();
+    assert_eq!(listed, vec!["acme".to_string()]);
+    env.cleanup().await;
+}

@@ -4,8 +4,8 @@
 //! tenant's keys.
 //!
 //! Every key of a tenant lands in one slot, but the permit script also reads
-//! the route's keys, and quota changes append to one audit stream: keys in
-//! other slots, which a Redis Cluster refuses in one call (`CROSSSLOT`). So on a cluster ([`Keys::in_one_slot`]) every key of
+//! the route's keys: keys in another slot, which a Redis Cluster refuses in
+//! one call (`CROSSSLOT`). So on a cluster ([`Keys::in_one_slot`]) every key of
 //! an installation starts with the `{prefix}` tag instead: a key's first
 //! tag is the one that counts, so all share one slot (one master and its
 //! replicas), and every script call stays whole and atomic.
@@ -188,9 +188,25 @@ impl Keys {
         format!("{}:routes", self.prefix)
     }
 
-    /// Hash: target label → fingerprint of the quota-baseline entry last
-    /// applied to it, so a deleted quota is not seeded back.
-    pub fn baseline_applied(&self) -> String {
+    /// String: the fingerprint of the quota-baseline entry last applied to
+    /// the tenant, so a deleted quota is not seeded back (in the tenant's
+    /// slot, so the change script reads and writes it with the quota).
+    pub fn baseline_mark(&self, tenant: &TenantId) -> String {
+        self.tenant_key("baseline", tenant)
+    }
+
+    pub fn route_baseline_mark(&self, route: &Kind) -> String {
+        self.route_key("baseline", route)
+    }
+
+    pub fn default_baseline_mark(&self) -> String {
+        format!("{}:baseline-default", self.prefix)
+    }
+
+    /// Hash: target label → baseline fingerprint, where installations
+    /// before the marks above kept them. Read when seeding a target that
+    /// has no mark yet, and emptied as marks are written.
+    pub fn legacy_baseline_marks(&self) -> String {
         format!("{}:baseline-applied", self.prefix)
     }
 
@@ -256,7 +272,10 @@ mod tests {
             keys.active_tenants(),
             keys.tenants(),
             keys.routes(),
-            keys.baseline_applied(),
+            keys.baseline_mark(&tenant),
+            keys.route_baseline_mark(&route),
+            keys.default_baseline_mark(),
+            keys.legacy_baseline_marks(),
             keys.work_queues(),
             keys.lock("seed"),
             keys.audit(),

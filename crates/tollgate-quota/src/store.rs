@@ -61,6 +61,15 @@ impl Target {
         }
     }
 
+    /// The fingerprint of the baseline entry last applied to the target.
+    fn baseline_mark(&self, keys: &Keys) -> String {
+        match self {
+            Self::Tenant(t) => keys.baseline_mark(t),
+            Self::Route(r) => keys.route_baseline_mark(r),
+            Self::Default => keys.default_baseline_mark(),
+        }
+    }
+
     /// The set this target is listed in (for `quota list`), and its name
     /// there. The default quota is listed nowhere.
     fn index(&self, keys: &Keys) -> Option<(String, String)> {
@@ -391,7 +400,14 @@ impl QuotaStore {
     /// applied, or found overridden by a live quota).
     pub async fn in_baseline(&self, target: &Target) -> Result<bool, QuotaError> {
         let mut conn = self.redis.conn().await?;
-        conn.hexists(self.keys.baseline_applied(), target.label())
+        let marked: bool = conn
+            .exists(target.baseline_mark(&self.keys))
+            .await
+            .map_err(|e| self.redis.classify(e))?;
+        if marked {
+            return Ok(true);
+        }
+        conn.hexists(self.keys.legacy_baseline_marks(), target.label())
             .await
             .map_err(|e| self.redis.classify(e))
     }
@@ -403,22 +419,23 @@ impl QuotaStore {
         actor: &Actor,
         seed: Option<(&str, bool)>,
     ) -> Result<(Settings, Settings, bool), QuotaError> {
-        let index = target.index(&self.keys);
+        let label = target.label();
+        let mut conn = self.redis.conn().await?;
+        // Where an older installation kept its baseline marks: read when
+        // seeding, carried into the target's own mark by the script.
+        let legacy: Option<String> = match seed {
+            Some(_) => conn
+                .hget(self.keys.legacy_baseline_marks(), &label)
+                .await
+                .map_err(|e| self.redis.classify(e))?,
+            None => None,
+        };
         let mut invocation = self.change.key(target.hash(&self.keys));
         invocation
-            .key(self.keys.audit())
-            .key(self.keys.baseline_applied())
-            .key(target.adapt(&self.keys));
-        if let Some((set, _)) = &index {
-            invocation.key(set);
-        }
-        invocation
-            .arg(target.label())
-            .arg(change.action())
+            .key(target.baseline_mark(&self.keys))
+            .key(target.adapt(&self.keys))
             .arg(&actor.who)
-            .arg(actor.source)
-            .arg(index.map(|(_, member)| member).unwrap_or_default())
-            .arg(AUDIT_MAX_LEN)
+            .arg(legacy.as_deref().unwrap_or(""))
             .arg(seed.map(|(fingerprint, _)| fingerprint).unwrap_or(""))
             .arg(if seed.is_some_and(|(_, overwrite)| overwrite) {
                 "1"
@@ -428,11 +445,53 @@ impl QuotaStore {
         for (field, value) in change.fields() {
             invocation.arg(field).arg(value);
         }
-        let mut conn = self.redis.conn().await?;
-        let (old, new, written): (String, String, i64) = invocation
+        let (old, new, written, held, at_ms): (String, String, i64, i64, i64) = invocation
             .invoke_async(&mut conn)
             .await
             .map_err(|e| self.redis.classify(e))?;
+        // The rest of the change lives outside the target's slot: its
+        // listing, its audit entry, and the older installation's mark,
+        // now carried over.
+        let mut pipe = redis::pipe();
+        if legacy.is_some() {
+            pipe.hdel(self.keys.legacy_baseline_marks(), &label)
+                .ignore();
+        }
+        if written == 1 {
+            if let Some((set, member)) = target.index(&self.keys) {
+                if held == 1 {
+                    pipe.sadd(set, member).ignore();
+                } else {
+                    pipe.srem(set, member).ignore();
+                }
+            }
+            audit_entry(
+                &mut pipe,
+                &self.keys,
+                AuditFields {
+                    target: &label,
+                    action: change.action(),
+                    who: &actor.who,
+                    source: actor.source,
+                    at_ms,
+                    old: &old,
+                    new: &new,
+                },
+            );
+        }
+        if legacy.is_some() || written == 1 {
+            let unfinished = if written == 1 {
+                "the change is written, but not its audit entry or listing"
+            } else {
+                "its baseline mark was not carried over"
+            };
+            pipe.query_async::<()>(&mut conn).await.map_err(|e| {
+                QuotaError::Unavailable(format!(
+                    "{label}: {unfinished}: {}",
+                    self.redis.classify(e)
+                ))
+            })?;
+        }
         Ok((
             parse_json(target, &old)?,
             parse_json(target, &new)?,
