@@ -285,17 +285,16 @@ impl Learning {
                 // A probe above what held failed: back to it. Its 429 says
                 // nothing of the rate that held, so it does not start a
                 // storm: a lone 429 at that rate soon after is the edge's.
-                if self.probe_wait == 0 && rate > good * (1.0 + limits.increase) {
-                    // A climb's step failed, not its first: the limit lies
-                    // between two rates more than a step apart. Probe
-                    // again from the one that held, after a window; should
-                    // that fail too, the wait that follows is doubled.
-                    self.step = 0.0;
+                // A climb's later step (one held since the last settling)
+                // leaves the limit between two rates more than a step
+                // apart: probe again from the one that held after a window.
+                // The settling still counts, so a failure of that probe
+                // waits the doubled time.
+                let resume = self.probe_wait == 0 && rate > good * (1.0 + limits.increase);
+                self.settle(limits, now);
+                if resume {
                     self.resume = true;
-                    self.probe_wait = limits.probe_micros;
                     self.probe_at = now + WINDOW_MICROS;
-                } else {
-                    self.settle(limits, now);
                 }
                 self.cool_until = now + WINDOW_MICROS;
                 self.window = Some((now, 0));

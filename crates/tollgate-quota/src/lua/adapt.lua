@@ -8,10 +8,9 @@
 -- minimum (min_count, min_period_ms), decrease, increase and probe_ms. Its
 -- learning lives in the target's adapt hash: rate (per second), good, step,
 -- trial (1 while the rate is a probe's first step above a settled rate,
--- which holds after two windows), resume (1 when the next
--- probe resumes a climb whose later step failed: no trial), probe_at,
--- probe_wait, cool, throttled, win, n, changed, audited, audited_at (times
--- in µs).
+-- which holds after two windows), resume (1 when the next probe resumes a
+-- climb whose later step failed: no trial), probe_at, probe_wait, cool,
+-- throttled, win, n, changed, audited, audited_at (times in µs).
 
 local ADAPT_WINDOW_US = 2000000
 local ADAPT_STORM_US = 3 * ADAPT_WINDOW_US
@@ -92,14 +91,13 @@ local function adapt_throttled(l, s, now)
   if s.good and s.good < rate then
     -- A probe above what held failed: back to it, and wait. Its 429 says
     -- nothing of the rate that held, so it does not start a storm.
-    if s.probe_wait == 0 and rate > s.good * (1 + l.increase) then
-      -- A climb's later step failed: the limit lies between two rates more
-      -- than a step apart. Probe again from the one that held, after a
-      -- window; should that fail too, the wait that follows is doubled.
-      s.step, s.resume, s.probe_wait, s.probe_at = 0, 1, l.probe, now + ADAPT_WINDOW_US
-    else
-      adapt_settle(l, s, now)
-    end
+    -- A climb's later step (one held since the last settling) leaves the
+    -- limit between two rates more than a step apart: probe again from the
+    -- one that held after a window. The settling still counts, so a failure
+    -- of that probe waits the doubled time.
+    local resume = s.probe_wait == 0 and rate > s.good * (1 + l.increase)
+    adapt_settle(l, s, now)
+    if resume then s.resume, s.probe_at = 1, now + ADAPT_WINDOW_US end
     new = s.good
     s.cool, s.win, s.n = now + ADAPT_WINDOW_US, now, 0
     return adapt_set(s, adapt_effective(l, {rate = new}), rate, now)
