@@ -12,6 +12,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
+use tollgate_amqp::ShardQueue;
 use tollgate_core::{Job, SecretUrl};
 use tollgate_tests::{
     FakeProvider, Received, TestEnv, WorkerHandle, effects, fake_provider, max_in_window, wait_for,
@@ -176,7 +177,7 @@ async fn a_rabbitmq_node_stopped_mid_run_loses_nothing_and_sends_nothing_twice()
         env.set_quota(tenant, &format!("{RATE}/s"), 1).await;
     }
 
-    // Every work, delay and dead queue is replicated on all three nodes.
+    // Every queue of every shard, every delay and the dead queue is replicated on all three nodes.
     let queues = own_queues(clusters.list_queues(1, &["name", "members"]).await, &prefix);
     assert_eq!(
         queues.len(),
@@ -238,12 +239,14 @@ async fn a_rabbitmq_node_stopped_mid_run_loses_nothing_and_sends_nothing_twice()
             clusters.list_queues(node, &["name", "consumers"]).await,
             &prefix,
         );
-        env.broker.topology().work_queues().iter().all(|q| {
-            rows.get(q).and_then(|r| r["consumers"].as_u64()) == Some(workers.len() as u64)
+        let topology = env.broker.topology();
+        let mut lanes = ShardQueue::ALL.into_iter().flat_map(|k| topology.queues(k));
+        lanes.all(|q| {
+            rows.get(&q).and_then(|r| r["consumers"].as_u64()) == Some(workers.len() as u64)
         })
     };
     wait_for(
-        "every work queue with a consumer per worker, a node down",
+        "every queue of every shard with a consumer per worker, a node down",
         Duration::from_secs(30),
         || all_consumed(survivor),
     )
@@ -297,10 +300,11 @@ async fn a_rabbitmq_node_stopped_mid_run_loses_nothing_and_sends_nothing_twice()
         "the quota held: {busiest_second} sends of one tenant in 1 s"
     );
 
-    // Every consumer is back once the node is: one per worker on every work
-    // queue, and every queue again has a member online on all three nodes.
+    // Every consumer is back once the node is: one per worker on every queue
+    // of every shard, and every queue again has a member online on all
+    // three nodes.
     wait_for(
-        "every work queue with a consumer per worker, the node back",
+        "every queue of every shard with a consumer per worker, the node back",
         Duration::from_secs(30),
         || all_consumed(busiest + 1),
     )

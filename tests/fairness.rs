@@ -334,6 +334,63 @@ async fn quiet_behind_a_backlog(setting: &str, tweak: impl FnOnce(&mut tollgate:
     env.cleanup().await;
 }
 
+/// A parked copy comes back through a lane of its own, not behind fresh
+/// work. One work queue, one delivery per queue, one call at a time: a
+/// paced tenant's first job goes, its next two are parked for their slots
+/// (half a second apart), and then 300 fresh jobs of an unlimited tenant
+/// fill the work queue behind them, each call taking 20 ms. Came the
+/// parked copies back into the work queue, they would go out after all 300
+/// (as they did); through the return queue they go out while the backlog
+/// is still being sent (after 40 of 200 on an idle machine, 140 of 200
+/// with the whole suite running beside it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_copy_back_from_a_wait_does_not_queue_behind_fresh_work() {
+    const CALL: Duration = Duration::from_millis(20);
+    const BULK: u32 = 300;
+    let provider = FakeProvider::start(std::sync::Arc::new(|_: &tollgate_tests::Received, _| {
+        tollgate_tests::Reply::ok().after(CALL)
+    }))
+    .await
+    .unwrap();
+    let env = TestEnv::new_with(&provider.url(), |c| c.shards = 1).await;
+    env.set_quota("paced", "2/s", 1).await;
+    env.set_quota("bulk", "10000/s", 100).await;
+    let paced = env.publish("paced", 3, |_| {}).await;
+    env.publish("bulk", BULK, |_| {}).await;
+    let worker = env
+        .spawn_worker_with(|c| {
+            c.concurrency = 1;
+            c.prefetch = Some(1);
+        })
+        .await;
+
+    wait_for("every job sent", Duration::from_secs(60), || async {
+        provider.accepted() >= BULK as usize + 3
+    })
+    .await;
+    let received = provider.received();
+    let (sent, _) = effects(&received);
+    assert_eq!(sent.len(), BULK as usize + 3, "each job sent once");
+    let last_paced = received
+        .iter()
+        .rposition(|r| r.tenant == "paced")
+        .expect("the paced tenant sent");
+    let bulk_before = received[..last_paced]
+        .iter()
+        .filter(|r| r.tenant == "bulk")
+        .count();
+    eprintln!(
+        "the paced tenant's last job ({}) went out after {bulk_before} of the {BULK} bulk jobs",
+        paced[2].id
+    );
+    assert!(
+        bulk_before < BULK as usize,
+        "a parked copy waited behind the whole fresh backlog ({bulk_before} bulk sends first)"
+    );
+    worker.stop().await.unwrap();
+    env.cleanup().await;
+}
+
 /// A tenant's jobs are served by priority within its quota: 30 low, then 30
 /// normal, then 5 high jobs published at once at 5/s. The high ones go out
 /// before the backlog published ahead of them, the normal ones before the

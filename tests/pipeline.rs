@@ -3,7 +3,10 @@
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
-use tollgate_core::UnixMillis;
+use tollgate_amqp::ShardQueue;
+use tollgate_amqp::lapin::BasicProperties;
+use tollgate_amqp::lapin::types::FieldTable;
+use tollgate_core::{Lane, UnixMillis};
 use tollgate_tests::{FakeProvider, TestEnv, fake_provider, wait_for};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -153,8 +156,8 @@ async fn a_recorded_idempotency_key_is_never_sent_again() {
 
 /// Shrinking `shards` once left the higher work queues bound to the jobs
 /// exchange and consumed by nobody: their jobs waited forever. A worker
-/// with fewer shards now unbinds them (no new job lands there) and drains
-/// them until they are empty.
+/// with fewer shards now unbinds them and the shards' other queues (no new
+/// job or returning copy lands there) and drains them until they are empty.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shrinking_shards_drains_the_queues_left_behind() {
     let provider = FakeProvider::start(fake_provider::always_ok())
@@ -186,10 +189,54 @@ async fn shrinking_shards_drains_the_queues_left_behind() {
     for tenant in &tenants {
         env.publish(tenant, 1, |_| {}).await;
     }
-    for queue in [&high, &low] {
-        assert_eq!(env.broker.queue_depth(queue).await.unwrap(), 0, "{queue}");
+    // Nor does a copy coming back from a wait, through either lane.
+    let lanes = [ShardQueue::Return, ShardQueue::Recheck];
+    for (tenant, kind) in tenants.iter().flat_map(|t| lanes.map(|k| (t, k))) {
+        env.broker
+            .publish(&topology.exchange(kind), tenant, b"{}", Default::default())
+            .await
+            .unwrap();
+    }
+    for kind in ShardQueue::ALL {
+        for queue in [topology.queue(kind, 2), topology.queue(kind, 3)] {
+            assert_eq!(env.broker.queue_depth(&queue).await.unwrap(), 0, "{queue}");
+        }
     }
     let (sent, _) = tollgate_tests::effects(&provider.received());
     assert_eq!(sent.len(), 80, "each job sent once");
+    env.cleanup().await;
+}
+
+/// A parked copy expires into the lane it was parked for: one marked for a
+/// recheck (its wait goes on) into a recheck queue, any other into a return
+/// queue, never into a work queue behind fresh jobs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_expired_copy_comes_back_through_the_lane_it_was_parked_for() {
+    let env = TestEnv::new("http://127.0.0.1:9").await;
+    let topology = env.broker.topology().clone();
+    let tier = topology.tier(env.config.tiers().unwrap().shortest());
+    for lane in [Lane::Due, Lane::Recheck, Lane::Recheck] {
+        let mut headers = FieldTable::default();
+        tollgate_amqp::headers::write_lane(&mut headers, lane);
+        let props = BasicProperties::default().with_headers(headers);
+        env.broker
+            .publish(&tier, "acme", b"{}", props)
+            .await
+            .unwrap();
+    }
+    let depth = async |kind: ShardQueue| {
+        let mut total = 0;
+        for queue in topology.queues(kind) {
+            total += env.broker.queue_depth(&queue).await.unwrap();
+        }
+        total
+    };
+    wait_for("the copies to expire", Duration::from_secs(10), || async {
+        depth(ShardQueue::Return).await + depth(ShardQueue::Recheck).await == 3
+    })
+    .await;
+    assert_eq!(depth(ShardQueue::Return).await, 1, "the due copy");
+    assert_eq!(depth(ShardQueue::Recheck).await, 2, "the copies to recheck");
+    assert_eq!(depth(ShardQueue::Work).await, 0);
     env.cleanup().await;
 }

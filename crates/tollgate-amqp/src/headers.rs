@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use lapin::types::{AMQPValue, FieldTable, LongString};
-use tollgate_core::{Malformed, ParkReason, Progress, UnixMillis};
+use tollgate_core::{Lane, Malformed, ParkReason, Progress, UnixMillis};
 
 pub const ATTEMPT: &str = "x-tollgate-attempt";
 pub const FIRST_SEEN_MS: &str = "x-tollgate-first-seen-ms";
@@ -27,9 +27,15 @@ pub const REASON: &str = "x-tollgate-reason";
 /// On dead letters: the precise cause, for humans.
 pub const DETAIL: &str = "x-tollgate-detail";
 pub const DEAD_AT_MS: &str = "x-tollgate-dead-at-ms";
+/// On a parked copy: `recheck` when it comes back through the recheck
+/// queues ([`Lane::Recheck`]); absent, through the return queues. Without
+/// the `x-` of the others: a headers exchange routes on it, and RabbitMQ's
+/// headers exchange ignores arguments that begin with `x-`.
+pub const LANE: &str = "tollgate-lane";
 
 /// Every header tollgate writes.
-pub const ALL: [&str; 13] = [
+pub const ALL: [&str; 14] = [
+    LANE,
     REDELIVERIES,
     UNAVAILABLE,
     ATTEMPT,
@@ -175,6 +181,14 @@ pub fn write_progress(headers: &mut FieldTable, progress: &Progress) {
             );
         }
         None => remove(headers, PARK_REASON),
+    }
+}
+
+/// Names the lane a parked copy comes back through (see [`LANE`]).
+pub fn write_lane(headers: &mut FieldTable, lane: Lane) {
+    match lane {
+        Lane::Recheck => set_text(headers, LANE, "recheck"),
+        Lane::Due => remove(headers, LANE),
     }
 }
 

@@ -1,4 +1,5 @@
-//! The RabbitMQ adapter: topology, a consumer over the work queues, and a
+//! The RabbitMQ adapter: topology, a consumer over the queues of every
+//! shard, and a
 //! publisher whose every publish is confirmed by the broker before the
 //! runtime acks the delivery it replaces (park, retry, dead letter).
 
@@ -16,11 +17,11 @@ use lapin::options::{
 };
 use lapin::types::{FieldTable, ShortString};
 use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProperties};
-use tollgate_core::{DeadReason, Job, Progress, SecretUrl, TenantId, UnixMillis};
+use tollgate_core::{DeadReason, Job, Lane, Progress, SecretUrl, TenantId, UnixMillis};
 
 pub use lapin;
 pub use nodes::Nodes;
-pub use topology::Topology;
+pub use topology::{ShardQueue, Topology};
 
 #[derive(Debug, thiserror::Error)]
 pub enum AmqpError {
@@ -127,8 +128,8 @@ pub struct Broker {
     /// the consumers' channel and the deliveries it holds.
     publisher: std::sync::RwLock<Channel>,
     repairing: tokio::sync::Mutex<()>,
-    /// Work queues beyond `shards` left by an installation that had more:
-    /// unbound from the jobs exchange and consumed until they are empty.
+    /// Queues of the shards beyond `shards` left by an installation that had
+    /// more: unbound from their exchanges and consumed until empty.
     draining: std::sync::Mutex<Vec<String>>,
 }
 
@@ -260,38 +261,33 @@ impl Broker {
         result
     }
 
-    /// Work queues left by a larger `shards`: unbound from the jobs
-    /// exchange, so no new job lands there, and drained by
-    /// [`Broker::consume`]; returns their names. `known` is how many work
-    /// queues may exist; queues are probed from `shards` up to it, stopping
-    /// at the first missing one. Probing a missing queue makes the broker
-    /// close a channel, which lapin logs as an error: callers bound it.
+    /// Shards left by a larger `shards`: each of their queues unbound from
+    /// its exchange, so nothing new lands there, and drained by
+    /// [`Broker::consume`]; returns their names. `known` is how many shards
+    /// may exist; work queues are probed from `shards` up to it, stopping at
+    /// the first missing one. Probing a missing queue makes the broker close
+    /// a channel, which lapin logs as an error: callers bound it.
     pub async fn drain_stale_work_queues(&self, known: u16) -> Result<Vec<String>, AmqpError> {
-        let stale = self.stale_work_queues(known).await?;
-        if !stale.is_empty() {
-            self.on_channel("unbinding stale work queues", async |channel| {
-                for queue in &stale {
-                    self.topology.unbind_work_queue(channel, queue).await?;
-                }
-                Ok(())
-            })
-            .await?;
-        }
-        stale.clone_into(&mut self.draining.lock().expect("not poisoned"));
-        Ok(stale)
-    }
-
-    /// `{prefix}.work.N` for N ≥ shards (below `known`) that still exist,
-    /// probed in order until one is missing.
-    async fn stale_work_queues(&self, known: u16) -> Result<Vec<String>, AmqpError> {
         let mut stale = Vec::new();
         for i in self.topology.shards()..known {
-            let queue = self.topology.work_queue(i);
-            if !self.queue_exists(&queue).await? {
+            if !self.queue_exists(&self.topology.work_queue(i)).await? {
                 break;
             }
-            stale.push(queue);
+            for kind in ShardQueue::ALL {
+                // A shard left by a version before the lanes has only a
+                // work queue.
+                let queue = self.topology.queue(kind, i);
+                if kind != ShardQueue::Work && !self.queue_exists(&queue).await? {
+                    continue;
+                }
+                self.on_channel("unbinding a stale shard", async |channel| {
+                    self.topology.unbind_shard(channel, kind, i).await
+                })
+                .await?;
+                stale.push(queue);
+            }
         }
+        stale.clone_into(&mut self.draining.lock().expect("not poisoned"));
         Ok(stale)
     }
 
@@ -376,17 +372,20 @@ impl Broker {
     }
 
     /// Publishes a copy of `delivery` carrying `progress` to a delay tier.
-    /// The copy expires back into the jobs exchange with the tenant as its
-    /// routing key. The caller acks the delivery after this returns.
+    /// The copy expires, with the tenant as its routing key, into the lane
+    /// `lane` names: a return queue or a recheck queue. The caller acks the
+    /// delivery after this returns.
     pub async fn park(
         &self,
         delivery: &Delivery,
         tenant: &TenantId,
         progress: &Progress,
         tier: Duration,
+        lane: Lane,
     ) -> Result<(), AmqpError> {
         let mut headers = delivery.properties.headers().clone().unwrap_or_default();
         headers::write_progress(&mut headers, progress);
+        headers::write_lane(&mut headers, lane);
         let props = copy_properties(delivery, headers);
         self.publish(
             &self.topology.tier(tier),
@@ -427,9 +426,12 @@ impl Broker {
         .await
     }
 
-    /// Consumes every work queue on one channel. Each queue's consumer gets
-    /// an equal share of `prefetch` (rounded up), so a backlog on one queue
-    /// cannot take every slot.
+    /// Consumes every queue of every shard ([`ShardQueue`]) on one channel.
+    /// Each work queue's consumer gets an equal share of `prefetch` (rounded
+    /// up), so a backlog on one queue cannot take every slot, and each other
+    /// queue's as much again: copies back from a wait never queue behind
+    /// fresh work for a delivery slot, nor copies due behind copies that
+    /// come back only to park again.
     pub async fn consume(
         &self,
         consumer_name: &str,
@@ -449,8 +451,10 @@ impl Broker {
     ) -> Result<Consumption, AmqpError> {
         let channel = self.open_channel().await?;
         let mut queues = self.topology.work_queues();
-        queues.extend(self.draining.lock().expect("not poisoned").iter().cloned());
         let share = prefetch.div_ceil(queues.len() as u16).max(1);
+        queues.extend(self.topology.queues(ShardQueue::Return));
+        queues.extend(self.topology.queues(ShardQueue::Recheck));
+        queues.extend(self.draining.lock().expect("not poisoned").iter().cloned());
         let mut consumers = Vec::with_capacity(queues.len());
         let mut tags = Vec::with_capacity(queues.len());
         for (i, queue) in queues.iter().enumerate() {

@@ -28,4 +28,4 @@ pub use outcome::{DeadReason, ParkReason, ProviderOutcome};
 pub use quota::{MAX_WEIGHT, Quota, Rate, default_burst, weight};
 pub use run::{Action, Completion, Eligibility, JobRun, PermitDecision, Policy, Shadow};
 pub use secret::{Secret, SecretUrl, redact_url};
-pub use tiers::DelayTiers;
+pub use tiers::{DelayTiers, Lane};

@@ -1,12 +1,12 @@
 //! Declaring the RabbitMQ topology as a worker (and `tollgate topology
-//! declare`) does: the exchanges and queues, then the work queues a larger
-//! `shards` left behind, drained rather than stranded.
+//! declare`) does: the exchanges and queues, then the work and return
+//! queues a larger `shards` left behind, drained rather than stranded.
 
 use tollgate_amqp::Broker;
 use tollgate_quota::QuotaStore;
 
-/// Declares the topology, and drains the work queues a larger `shards` left
-/// behind; returns their names. How many work queues may exist is recorded
+/// Declares the topology, and drains the work and return queues a larger
+/// `shards` left behind; returns their names. How many work queues may exist is recorded
 /// in Redis at every declaration; `beyond` (from `tollgate topology declare
 /// --drain-from`) names it when Redis lost that record. With Redis
 /// unreachable, only the declaration is done.
@@ -28,7 +28,11 @@ pub async fn declare(
     // as probing a missing queue makes the broker close a channel.
     let known = recorded.max(beyond).unwrap_or(shards);
     let stale = broker.drain_stale_work_queues(known).await?;
-    let exist = shards + stale.len() as u16;
+    let topology = broker.topology();
+    let exist = (shards..known)
+        .take_while(|&i| stale.contains(&topology.work_queue(i)))
+        .last()
+        .map_or(shards, |i| i + 1);
     if recorded != Some(exist)
         && let Err(e) = store.set_work_queues(exist).await
     {
@@ -41,7 +45,7 @@ pub async fn declare(
 /// `shards`.
 pub fn draining_note(queue: &str, depth: u32) -> String {
     format!(
-        "{queue} is beyond TOLLGATE_SHARDS: unbound from the jobs exchange (no new jobs land \
+        "{queue} is beyond TOLLGATE_SHARDS: unbound from its exchange (no new jobs land \
          there) and drained by every worker; {depth} job(s) left. Once it stays empty, delete \
          it: rabbitmqctl delete_queue {queue}"
     )

@@ -29,8 +29,8 @@ use tollgate_core::ports::{
     Learned, Penalty, PermitRequest, PermitStore, PermitUse, Provider, ProviderCall,
 };
 use tollgate_core::{
-    Action, Clock, Completion, DeadReason, Job, JobRun, Malformed, ParkReason, PermitDecision,
-    Policy, Progress, ProviderOutcome, UnixMillis,
+    Action, Clock, Completion, DeadReason, Job, JobRun, Lane, Malformed, ParkReason,
+    PermitDecision, Policy, Progress, ProviderOutcome, UnixMillis,
 };
 use tollgate_provider::HttpProvider;
 use tollgate_quota::{QuotaStore, Redis, RedisPermits, Target};
@@ -824,8 +824,9 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
                         enqueued_at: Some(now.saturating_add(tier)),
                         ..run.progress().clone()
                     };
+                    let lane = Lane::of(now.until(until), tier);
                     self.publish_durably(broker, commitment.shield(), "a parked copy", || {
-                        broker.park(delivery, &job.tenant, &progress, tier)
+                        broker.park(delivery, &job.tenant, &progress, tier, lane)
                     })
                     .await?;
                     self.metrics.tier_publish(tier);

@@ -10,7 +10,7 @@ use clap::{Args, Parser, Subcommand};
 use futures::StreamExt;
 use futures::stream::FuturesUnordered;
 use serde_json::value::RawValue;
-use tollgate_amqp::{Broker, headers};
+use tollgate_amqp::{Broker, ShardQueue, headers};
 use tollgate_core::{
     Adaptive, Clock, DeadReason, IdempotencyKey, Job, JobId, Kind, Priority, Quota, TenantId,
     UnixMillis,
@@ -812,10 +812,14 @@ pub async fn topology(config: &Config, command: &TopologyCommand) -> anyhow::Res
                     .await?;
             let t = broker.topology();
             println!(
-                "declared {} → {} work queue(s), {} delay tier(s), {}",
+                "declared {} → {} work queue(s); {} delay tier(s) → {} → {} return and {} \
+                 recheck queue(s); {}",
                 t.jobs_exchange(),
                 t.work_queues().len(),
-                t.all_queues().len() - t.work_queues().len() - 1,
+                t.tier_queues().len(),
+                t.expired_exchange(),
+                t.queues(ShardQueue::Return).len(),
+                t.queues(ShardQueue::Recheck).len(),
                 t.dead_queue()
             );
             for queue in draining {

@@ -63,10 +63,12 @@ pub struct Config {
     /// Provider calls one pod makes at once (1 for a provider that wants one
     /// call at a time).
     pub concurrency: u16,
-    /// Deliveries one pod holds unacked at once, waiting or in progress (the
-    /// AMQP prefetch, split over the work queues). Unset: the larger of
-    /// `concurrency` and 64, so a small `concurrency` never leaves a pod
-    /// too few deliveries to look past one tenant's backlog.
+    /// Fresh deliveries one pod holds unacked at once, waiting or in
+    /// progress (the AMQP prefetch, split over the work queues; each return
+    /// and recheck queue gets a work queue's share again, for copies back
+    /// from a wait). Unset: the larger of `concurrency` and 64, so a small
+    /// `concurrency` never leaves a pod too few deliveries to look past one
+    /// tenant's backlog.
     pub prefetch: Option<u16>,
     /// Failed provider attempts (408/5xx/timeout) before `exhausted`.
     pub max_attempts: u32,
@@ -394,7 +396,7 @@ impl Config {
         }
     }
 
-    /// Deliveries a pod holds at once: `prefetch`, else the larger of
+    /// Fresh deliveries a pod holds at once: `prefetch`, else the larger of
     /// `concurrency` and 64.
     pub fn prefetch(&self) -> u16 {
         self.prefetch.unwrap_or(self.concurrency.max(64))

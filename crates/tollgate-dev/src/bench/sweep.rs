@@ -254,11 +254,27 @@ async fn noisy_neighbour(base: &Config, setting: Setting) -> anyhow::Result<Vec<
         )
         .target(">= 0.97"),
         Figure::new(
+            "noisy: slots missed (gaps between sends over 1.5 of its 100 ms spacing)",
+            "gaps",
+            vec![missed_slots(&noisy, Duration::from_millis(150)) as f64],
+        ),
+        Figure::new(
             "parks in the 20 s window per job sent in it (the backlog's first pass counts whole)",
             "parks/job",
             vec![parks / sent.max(1) as f64],
         ),
     ])
+}
+
+/// Gaps longer than `over` between a tenant's accepted sends: where its
+/// quota use goes.
+fn missed_slots(received: &[&Received], over: Duration) -> usize {
+    let sent: Vec<Instant> = received
+        .iter()
+        .filter(|r| r.status == 200)
+        .map(|r| r.instant)
+        .collect();
+    sent.windows(2).filter(|w| w[1] - w[0] > over).count()
 }
 
 /// `n` due offsets, uniform over 2–20 s, the same on every run.
