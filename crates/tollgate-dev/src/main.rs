@@ -30,7 +30,9 @@ enum Command {
     #[command(after_help = "Example: tollgate-dev demo --duration 30s --workers 3")]
     Demo(DemoArgs),
     /// Measure throughput, pacing, fairness and two peers; writes target/bench/report.{json,md}.
-    #[command(after_help = "Example: tollgate-dev bench --jobs 10000 --runs 3")]
+    #[command(
+        after_help = "Example: tollgate-dev bench --jobs 10000 --runs 3\n\nBENCH_WORKER_LOG=DIR: the worker processes log at debug level to DIR/worker-<port>.log (a per-decision trace of a run)."
+    )]
     Bench(BenchArgs),
 }
 

@@ -130,9 +130,23 @@ impl Rig {
                 self.config.provider_url.as_ref().expect("set").expose(),
             )
             .env("TOLLGATE_HTTP_ADDR", format!("127.0.0.1:{http_port}"))
-            .env("RUST_LOG", "warn")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null());
+            .stdout(Stdio::null());
+        // For a per-decision trace of a run: each worker logs at debug level
+        // to DIR/worker-<port>.log.
+        match std::env::var_os("BENCH_WORKER_LOG") {
+            Some(dir) => {
+                let log = std::path::Path::new(&dir).join(format!("worker-{http_port}.log"));
+                command
+                    .env(
+                        "RUST_LOG",
+                        "debug,lapin=warn,hyper=warn,reqwest=warn,h2=warn",
+                    )
+                    .stderr(std::fs::File::create(&log)?);
+            }
+            None => {
+                command.env("RUST_LOG", "warn").stderr(Stdio::null());
+            }
+        }
         for (k, v) in extra {
             command.env(k, v);
         }
