@@ -278,11 +278,9 @@ async fn one_delivery_per_work_queue_still_reaches_a_tenant_behind_a_backlog() {
 /// disk was, not whether the quiet tenant waits for the backlog.)
 async fn quiet_behind_a_backlog(setting: &str, tweak: impl FnOnce(&mut tollgate::config::Config)) {
     const CALL: Duration = Duration::from_millis(100);
-    let provider = FakeProvider::start(std::sync::Arc::new(|_: &tollgate_tests::Received, _| {
-        tollgate_tests::Reply::ok().after(CALL)
-    }))
-    .await
-    .unwrap();
+    let provider = FakeProvider::start(fake_provider::slow_ok(CALL))
+        .await
+        .unwrap();
     // One work queue: the quiet tenant's jobs are behind the whole backlog.
     let env = TestEnv::new_with(&provider.url(), |c| c.shards = 1).await;
     env.set_quota("noisy", "2/s", 1).await;
@@ -347,11 +345,9 @@ async fn quiet_behind_a_backlog(setting: &str, tweak: impl FnOnce(&mut tollgate:
 async fn a_copy_back_from_a_wait_does_not_queue_behind_fresh_work() {
     const CALL: Duration = Duration::from_millis(20);
     const BULK: u32 = 300;
-    let provider = FakeProvider::start(std::sync::Arc::new(|_: &tollgate_tests::Received, _| {
-        tollgate_tests::Reply::ok().after(CALL)
-    }))
-    .await
-    .unwrap();
+    let provider = FakeProvider::start(fake_provider::slow_ok(CALL))
+        .await
+        .unwrap();
     let env = TestEnv::new_with(&provider.url(), |c| c.shards = 1).await;
     env.set_quota("paced", "2/s", 1).await;
     env.set_quota("bulk", "10000/s", 100).await;

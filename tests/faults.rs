@@ -648,11 +648,9 @@ const PAST_THE_LEASE: Duration = Duration::from_secs(8);
 /// call, the record and the ack run to the end.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_timeout_never_interrupts_a_send_it_began() {
-    let provider = FakeProvider::start(Arc::new(|_: &Received, _| {
-        Reply::ok().after(Duration::from_millis(1_500))
-    }))
-    .await
-    .unwrap();
+    let provider = FakeProvider::start(fake_provider::slow_ok(Duration::from_millis(1_500)))
+        .await
+        .unwrap();
     let env = TestEnv::new(&provider.url()).await;
     let worker = env.spawn_worker_with(|c| c.delivery_timeout_ms = 500).await;
     let jobs = env.publish("slow", 3, |_| {}).await;
@@ -683,11 +681,9 @@ async fn a_timeout_never_interrupts_a_send_it_began() {
 /// beginning calls late in the grace period and waits for those begun.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shutdown_never_abandons_a_send_it_began() {
-    let provider = FakeProvider::start(Arc::new(|_: &Received, _| {
-        Reply::ok().after(Duration::from_millis(1_500))
-    }))
-    .await
-    .unwrap();
+    let provider = FakeProvider::start(fake_provider::slow_ok(Duration::from_millis(1_500)))
+        .await
+        .unwrap();
     let env = TestEnv::new(&provider.url()).await;
     let first = env.spawn_worker_with(|c| c.shutdown_grace_ms = 300).await;
     let jobs = env.publish("slow", 3, |_| {}).await;

@@ -438,11 +438,9 @@ async fn permits_that_came_due_while_the_pod_was_busy_are_not_sent_late() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrency_limits_in_flight_calls_across_the_fleet() {
-    let provider = FakeProvider::start(Arc::new(|_: &Received, _| {
-        Reply::ok().after(Duration::from_millis(300))
-    }))
-    .await
-    .unwrap();
+    let provider = FakeProvider::start(fake_provider::slow_ok(Duration::from_millis(300)))
+        .await
+        .unwrap();
     let env = TestEnv::new(&provider.url()).await;
     env.change(
         tenant("narrow"),

@@ -267,7 +267,7 @@ impl Broker {
     /// may exist; work queues are probed from `shards` up to it, stopping at
     /// the first missing one. Probing a missing queue makes the broker close
     /// a channel, which lapin logs as an error: callers bound it.
-    pub async fn drain_stale_work_queues(&self, known: u16) -> Result<Vec<String>, AmqpError> {
+    pub async fn drain_stale_shards(&self, known: u16) -> Result<Vec<String>, AmqpError> {
         let mut stale = Vec::new();
         for i in self.topology.shards()..known {
             if !self.queue_exists(&self.topology.work_queue(i)).await? {

@@ -52,6 +52,15 @@ pub enum ShardQueue {
 
 impl ShardQueue {
     pub const ALL: [Self; 3] = [Self::Work, Self::Return, Self::Recheck];
+
+    /// The names of its exchange and (before `.<shard>`) of its queues.
+    fn names(self) -> (&'static str, &'static str) {
+        match self {
+            Self::Work => ("jobs", "work"),
+            Self::Return => ("returns", "return"),
+            Self::Recheck => ("rechecks", "recheck"),
+        }
+    }
 }
 
 /// Names and shape of one tollgate installation's queues.
@@ -89,12 +98,7 @@ impl Topology {
     /// The consistent-hash exchange that feeds `kind`'s queue on every
     /// shard.
     pub fn exchange(&self, kind: ShardQueue) -> String {
-        let name = match kind {
-            ShardQueue::Work => "jobs",
-            ShardQueue::Return => "returns",
-            ShardQueue::Recheck => "rechecks",
-        };
-        format!("{}.{name}", self.prefix)
+        format!("{}.{}", self.prefix, kind.names().0)
     }
 
     /// Where every expired parked copy goes first: a headers exchange that
@@ -124,12 +128,7 @@ impl Topology {
     /// The name of shard `i`'s queue of `kind` (`i` may lie beyond
     /// `shards`).
     pub fn queue(&self, kind: ShardQueue, i: u16) -> String {
-        let name = match kind {
-            ShardQueue::Work => "work",
-            ShardQueue::Return => "return",
-            ShardQueue::Recheck => "recheck",
-        };
-        format!("{}.{name}.{i}", self.prefix)
+        format!("{}.{}.{i}", self.prefix, kind.names().1)
     }
 
     /// Stops `kind`'s exchange routing to shard `i`'s queue: a shard beyond

@@ -92,6 +92,11 @@ pub fn always_ok() -> Behavior {
     Arc::new(|_, _| Reply::ok())
 }
 
+/// Accepts everything, each answer after `delay` (a slow provider).
+pub fn slow_ok(delay: Duration) -> Behavior {
+    Arc::new(move |_, _| Reply::ok().after(delay))
+}
+
 /// A provider that enforces its own per-tenant limit: at most `limit`
 /// accepted requests in any sliding 1 s window, else 429 with
 /// `Retry-After: 1`. Tenants not listed are unlimited.

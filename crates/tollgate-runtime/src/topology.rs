@@ -27,12 +27,11 @@ pub async fn declare(
     // No record (a new installation, or Redis lost it): nothing is probed,
     // as probing a missing queue makes the broker close a channel.
     let known = recorded.max(beyond).unwrap_or(shards);
-    let stale = broker.drain_stale_work_queues(known).await?;
-    let topology = broker.topology();
-    let exist = (shards..known)
-        .take_while(|&i| stale.contains(&topology.work_queue(i)))
-        .last()
-        .map_or(shards, |i| i + 1);
+    let stale = broker.drain_stale_shards(known).await?;
+    let stale_shards = (shards..known)
+        .filter(|&i| stale.contains(&broker.topology().work_queue(i)))
+        .count();
+    let exist = shards + stale_shards as u16;
     if recorded != Some(exist)
         && let Err(e) = store.set_work_queues(exist).await
     {
