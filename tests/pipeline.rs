@@ -5,8 +5,9 @@ use std::time::Duration;
 
 use tollgate_amqp::ShardQueue;
 use tollgate_amqp::lapin::BasicProperties;
+use tollgate_amqp::lapin::options::BasicGetOptions;
 use tollgate_amqp::lapin::types::FieldTable;
-use tollgate_core::{Lane, UnixMillis};
+use tollgate_core::{Lane, Progress, TenantId, UnixMillis};
 use tollgate_tests::{FakeProvider, TestEnv, fake_provider, wait_for};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -97,16 +98,16 @@ async fn a_job_due_in_three_seconds_is_sent_on_time_and_not_before() {
         sent.at,
         due_at
     );
-    // It was parked (one wait) rather than held for 3 s: two hops through
-    // the 1 s tier, then an in-process hold for the last part under 1 s.
+    // It was parked (one wait) rather than held for 3 s: one hop through
+    // the 2 s tier, then an in-process hold for the last part under 1 s.
     let m = &worker.metrics;
     assert_eq!(
         m.counter_sum("tollgate_parked_total", &[("reason", "not_due")]),
         1.0
     );
     assert_eq!(
-        m.counter_sum("tollgate_tier_publishes_total", &[("tier", "1s")]),
-        2.0
+        m.counter_sum("tollgate_tier_publishes_total", &[("tier", "2s")]),
+        1.0
     );
     let lateness = UnixMillis(sent.at.0 - due_at.0);
     eprintln!("due lag of the scheduled job: {} ms", lateness.0);
@@ -238,5 +239,68 @@ async fn an_expired_copy_comes_back_through_the_lane_it_was_parked_for() {
     assert_eq!(depth(ShardQueue::Return).await, 1, "the due copy");
     assert_eq!(depth(ShardQueue::Recheck).await, 2, "the copies to recheck");
     assert_eq!(depth(ShardQueue::Work).await, 0);
+    env.cleanup().await;
+}
+
+/// A copy to recheck stays in its tier only as long as `park` says (the
+/// worker brings such copies back aligned to their places, so the copies
+/// of a backlog parked together do not come back as one herd).
+#[tokio::test]
+async fn a_parked_copy_stays_in_its_tier_as_long_as_it_was_parked_for() {
+    let env = TestEnv::new("http://127.0.0.1:9").await;
+    let topology = env.broker.topology().clone();
+    env.broker
+        .publish(
+            &topology.jobs_exchange(),
+            "acme",
+            br#"{"x":1}"#,
+            tollgate_amqp::job_properties(),
+        )
+        .await
+        .unwrap();
+    let (_conn, channel) = env.raw_channel().await;
+    // The publish was confirmed, so the job is already in its work queue.
+    let mut delivery = None;
+    for queue in topology.queues(ShardQueue::Work) {
+        if let Some(msg) = channel
+            .basic_get(queue.as_str().into(), BasicGetOptions::default())
+            .await
+            .unwrap()
+        {
+            delivery = Some(msg.delivery);
+        }
+    }
+    let delivery = delivery.expect("the job in a work queue");
+    let hour = Duration::from_secs(3600);
+    env.broker
+        .park(
+            &delivery,
+            &TenantId::parse("acme").unwrap(),
+            &Progress::default(),
+            hour,
+            Lane::Recheck,
+            Duration::from_millis(200),
+        )
+        .await
+        .unwrap();
+    tollgate_amqp::ack(&delivery).await.unwrap();
+    let recheck = async || {
+        let mut total = 0;
+        for queue in topology.queues(ShardQueue::Recheck) {
+            total += env.broker.queue_depth(&queue).await.unwrap();
+        }
+        total
+    };
+    // Parked for an hour by its tier, back after its stay.
+    wait_for(
+        "the copy back from the 1 h tier",
+        Duration::from_secs(20),
+        || async { recheck().await == 1 },
+    )
+    .await;
+    assert_eq!(
+        env.broker.queue_depth(&topology.tier(hour)).await.unwrap(),
+        0
+    );
     env.cleanup().await;
 }

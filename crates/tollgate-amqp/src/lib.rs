@@ -371,9 +371,11 @@ impl Broker {
         .await
     }
 
-    /// Publishes a copy of `delivery` carrying `progress` to a delay tier.
-    /// The copy expires, with the tenant as its routing key, into the lane
-    /// `lane` names: a return queue or a recheck queue. The caller acks the
+    /// Publishes a copy of `delivery` carrying `progress` to a delay tier,
+    /// to stay there `stay` (at most the tier: a message's expiration
+    /// shorter than its queue's wins, see [`Lane::stay`]). The copy
+    /// expires, with the tenant as its routing key, into the lane `lane`
+    /// names: a return queue or a recheck queue. The caller acks the
     /// delivery after this returns.
     pub async fn park(
         &self,
@@ -382,11 +384,15 @@ impl Broker {
         progress: &Progress,
         tier: Duration,
         lane: Lane,
+        stay: Duration,
     ) -> Result<(), AmqpError> {
         let mut headers = delivery.properties.headers().clone().unwrap_or_default();
         headers::write_progress(&mut headers, progress);
         headers::write_lane(&mut headers, lane);
-        let props = copy_properties(delivery, headers);
+        // Always set: an expiration the job was published with must not
+        // follow its copy into the tier.
+        let props = copy_properties(delivery, headers)
+            .with_expiration(stay.min(tier).as_millis().to_string().into());
         self.publish(
             &self.topology.tier(tier),
             tenant.as_str(),

@@ -97,6 +97,32 @@ impl Lane {
             Self::Due
         }
     }
+
+    /// How early a copy to recheck may come back, at most: a fifth of its
+    /// tier, never more than this.
+    pub const EARLY_MAX: Duration = Duration::from_secs(5);
+
+    /// How long a copy parked in `tier` with `wait` left stays there (its
+    /// message's expiration). A due copy stays the whole tier. A copy to
+    /// recheck comes back up to a fifth of the tier early (at most
+    /// [`Lane::EARLY_MAX`]), a whole number of those steps before its own
+    /// place. Copies parked together (a backlog's first pass, in the same
+    /// second) otherwise came back together forever, every tier being a
+    /// multiple of 5 s: herds of hundreds that the broker dead-letters at
+    /// once while a due copy waits behind them. Aligned to their places,
+    /// which are spaced by the tenant's rate, they come back spread over
+    /// the step instead. Early is safe: the copy only asks again.
+    pub fn stay(self, wait: Duration, tier: Duration) -> Duration {
+        let step = (tier / 5).min(Self::EARLY_MAX).as_millis();
+        if self == Self::Due || step == 0 {
+            return tier;
+        }
+        let (tier_ms, wait_ms) = (tier.as_millis(), wait.as_millis());
+        // Back at `wait - k × step` before its place, for the smallest k
+        // that leaves it within the tier.
+        let early = (tier_ms + step - wait_ms % step) % step;
+        tier - Duration::from_millis(early as u64)
+    }
 }
 
 #[cfg(test)]
@@ -114,6 +140,40 @@ mod tests {
             Lane::Due,
             "a wait shorter than its tier is late on return, never rechecked"
         );
+    }
+
+    #[test]
+    fn a_copy_to_recheck_comes_back_a_whole_number_of_steps_before_its_place() {
+        let ms = Duration::from_millis;
+        // Due: the whole tier, whatever its place.
+        assert_eq!(Lane::Due.stay(ms(7_300), secs(5)), secs(5));
+        // The 5 s tier steps by 1 s: 12.3 s to wait comes back at 4.3 s
+        // (8 s before its place), 12 s to wait at exactly 5 s.
+        assert_eq!(Lane::Recheck.stay(ms(12_300), secs(5)), ms(4_300));
+        assert_eq!(Lane::Recheck.stay(secs(12), secs(5)), secs(5));
+        // Longer tiers step by at most 5 s.
+        assert_eq!(Lane::Recheck.stay(ms(97_500), secs(30)), ms(27_500));
+        assert_eq!(Lane::Recheck.stay(ms(97_500), secs(3_600)), ms(3_597_500));
+        // Never longer than the tier, never shorter than the tier less its
+        // step, and back at a whole number of steps before its place: a
+        // herd of copies spaced 126 ms apart spreads over the step.
+        for tier in [secs(1), secs(5), secs(30), secs(120)] {
+            let step = (tier / 5).min(Lane::EARLY_MAX);
+            for wait_ms in
+                (tier.as_millis() as u64 + 5_000..tier.as_millis() as u64 + 60_000).step_by(126)
+            {
+                let stay = Lane::Recheck.stay(ms(wait_ms), tier);
+                assert!(
+                    stay <= tier && stay + step > tier,
+                    "{wait_ms} ms in {tier:?}"
+                );
+                assert_eq!(
+                    (ms(wait_ms) - stay).as_millis() % step.as_millis(),
+                    0,
+                    "{wait_ms} ms in {tier:?}"
+                );
+            }
+        }
     }
 
     fn secs(s: u64) -> Duration {

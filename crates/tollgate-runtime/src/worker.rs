@@ -820,18 +820,19 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
                     tier,
                     hop,
                 } => {
+                    let lane = Lane::of(now.until(until), tier);
+                    let stay = lane.stay(now.until(until), tier);
                     let progress = Progress {
-                        enqueued_at: Some(now.saturating_add(tier)),
+                        enqueued_at: Some(now.saturating_add(stay)),
                         ..run.progress().clone()
                     };
-                    let lane = Lane::of(now.until(until), tier);
                     self.publish_durably(broker, commitment.shield(), "a parked copy", || {
-                        broker.park(delivery, &job.tenant, &progress, tier, lane)
+                        broker.park(delivery, &job.tenant, &progress, tier, lane, stay)
                     })
                     .await?;
                     self.metrics.tier_publish(tier);
                     self.parked
-                        .add(&job.tenant, reason, now.saturating_add(tier), tier);
+                        .add(&job.tenant, reason, now.saturating_add(stay), tier);
                     if hop {
                         debug!(
                             reason = reason.as_str(),

@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use serde_json::json;
-use tollgate_core::{Adaptive, Quota, TenantId};
+use tollgate_core::{Adaptive, DelayTiers, Quota, TenantId};
 use tollgate_quota::{Actor, Change, Target};
 
 use super::rig::Rig;
@@ -28,8 +28,6 @@ const TENANT: &str = "learner";
 const PHASES: [(u32, u64); 3] = [(8, 90), (12, 40), (4, 30)];
 /// The first phase's steady part: from this many seconds into it to its end.
 const SETTLED_AFTER: u64 = 30;
-/// The tiers whose parks the per-second trace shows.
-const TRACED_TIERS: [&str; 7] = ["100ms", "250ms", "500ms", "1s", "5s", "30s", "2m"];
 /// Windows over which the achieved rate is judged.
 const WINDOW: Duration = Duration::from_secs(5);
 
@@ -111,13 +109,23 @@ async fn one(base: &Config, setting: Setting) -> anyhow::Result<Scenario> {
         ports.push(rig.spawn_process(&[]).await?.http_port);
     }
     // Parks per tier over the fleet, for the per-second trace: herds of
-    // copies coming back from a tier show as spikes.
+    // copies coming back from a tier show as spikes. The tiers up to 2 m
+    // (the longest a quota wait here takes).
+    let traced: Vec<String> = base
+        .delay_tiers_ms
+        .iter()
+        .filter(|&&ms| ms <= 120_000)
+        .map(|&ms| DelayTiers::name(Duration::from_millis(ms)))
+        .collect();
     let parks = async |ports: &[u16]| -> Vec<f64> {
-        let mut by_tier = vec![0.0; TRACED_TIERS.len()];
+        let mut by_tier = vec![0.0; traced.len()];
         for &port in ports {
-            for (i, tier) in TRACED_TIERS.iter().enumerate() {
-                let series = format!("tollgate_tier_publishes_total{{tier=\"{tier}\"}}");
-                by_tier[i] += super::rig::scrape(port, &series).await.unwrap_or(0.0);
+            let Ok(page) = super::rig::metrics_page(port).await else {
+                continue;
+            };
+            for (i, tier) in traced.iter().enumerate() {
+                by_tier[i] +=
+                    page.sum(&format!("tollgate_tier_publishes_total{{tier=\"{tier}\"}}"));
             }
         }
         by_tier
@@ -134,8 +142,11 @@ async fn one(base: &Config, setting: Setting) -> anyhow::Result<Scenario> {
             changes.push(Instant::now());
         }
         // Each second: the learned rate, and what the provider saw in it.
-        for _ in 0..secs {
-            tokio::time::sleep(Duration::from_secs(1)).await;
+        // Seconds counted from the phase's start, so the trace's own work
+        // does not stretch the phase.
+        let phase_start = tokio::time::Instant::now();
+        for second in 1..=secs {
+            tokio::time::sleep_until(phase_start + Duration::from_secs(second)).await;
             let effective = rig.store.get(&target).await?.and_then(|s| s.effective);
             let now = Instant::now();
             let last: Vec<Received> = rig
@@ -158,7 +169,7 @@ async fn one(base: &Config, setting: Setting) -> anyhow::Result<Scenario> {
                 effective.map_or("-".into(), tollgate_quota::per_second),
                 last.iter().filter(|r| r.status == 200).count(),
                 last.iter().filter(|r| r.status == 429).count(),
-                TRACED_TIERS.join("/"),
+                traced.join("/"),
                 hops.join("/"),
             ));
         }

@@ -246,15 +246,37 @@ pub fn peak_rss_mib(pid: u32) -> anyhow::Result<f64> {
     Ok(kib / 1024.0)
 }
 
-/// A gauge or counter's value from a worker's /metrics.
-pub async fn scrape(port: u16, series: &str) -> anyhow::Result<f64> {
-    let text = reqwest::get(format!("http://127.0.0.1:{port}/metrics"))
+/// A worker's /metrics page, fetched with one client for the whole bench:
+/// `reqwest::get` builds a client per call (loading the system's CA roots
+/// each time), which a per-second trace paid many times a second on the
+/// cores under test.
+pub async fn metrics_page(port: u16) -> anyhow::Result<MetricsPage> {
+    static CLIENT: std::sync::OnceLock<reqwest::Client> = std::sync::OnceLock::new();
+    let client = CLIENT.get_or_init(reqwest::Client::new);
+    let text = client
+        .get(format!("http://127.0.0.1:{port}/metrics"))
+        .send()
         .await?
         .text()
         .await?;
-    Ok(text
-        .lines()
-        .filter(|l| l.starts_with(series))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum())
+    Ok(MetricsPage(text))
+}
+
+/// One scrape of a worker's /metrics.
+pub struct MetricsPage(String);
+
+impl MetricsPage {
+    /// The sum of the samples whose line starts with `series`.
+    pub fn sum(&self, series: &str) -> f64 {
+        self.0
+            .lines()
+            .filter(|l| l.starts_with(series))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    }
+}
+
+/// A gauge or counter's value from a worker's /metrics.
+pub async fn scrape(port: u16, series: &str) -> anyhow::Result<f64> {
+    Ok(metrics_page(port).await?.sum(series))
 }
