@@ -98,30 +98,32 @@ impl Lane {
         }
     }
 
-    /// How early a copy to recheck may come back, at most: a fifth of its
-    /// tier, never more than this.
+    /// How early a copy to recheck may come back, at most: half its tier,
+    /// never more than this.
     pub const EARLY_MAX: Duration = Duration::from_secs(5);
 
     /// How long a copy parked in `tier` with `wait` left stays there (its
     /// message's expiration). A due copy stays the whole tier. A copy to
-    /// recheck comes back up to a fifth of the tier early (at most
-    /// [`Lane::EARLY_MAX`]), a whole number of those steps before its own
-    /// place. Copies parked together (a backlog's first pass, in the same
-    /// second) otherwise came back together forever, every tier being a
-    /// multiple of 5 s: herds of hundreds that the broker dead-letters at
-    /// once while a due copy waits behind them. Aligned to their places,
-    /// which are spaced by the tenant's rate, they come back spread over
-    /// the step instead. Early is safe: the copy only asks again.
+    /// recheck comes back early by up to half the tier (at most
+    /// [`Lane::EARLY_MAX`]), the less the more it still has to wait.
+    ///
+    /// Copies parked in the same second otherwise came back in the same
+    /// second, forever (every tier from 5 s up is a multiple of 5 s): a
+    /// backlog's first pass stayed one herd of hundreds that the broker
+    /// dead-lettered at once while due copies waited behind it. A herd is
+    /// parked in the order of its places, and a queue expires messages
+    /// from its head only (one behind a longer-lived message waits for
+    /// it), so a stay that grows with the wait spreads the herd over the
+    /// step, where one aligned to each copy's place did not (its sawtooth
+    /// held every copy behind its first peak). Early is safe: the copy
+    /// only asks again, and never comes back later than its tier.
     pub fn stay(self, wait: Duration, tier: Duration) -> Duration {
-        let step = (tier / 5).min(Self::EARLY_MAX).as_millis();
-        if self == Self::Due || step == 0 {
+        let step = (tier / 2).min(Self::EARLY_MAX);
+        if self == Self::Due || wait.is_zero() {
             return tier;
         }
-        let (tier_ms, wait_ms) = (tier.as_millis(), wait.as_millis());
-        // Back at `wait - k × step` before its place, for the smallest k
-        // that leaves it within the tier.
-        let early = (tier_ms + step - wait_ms % step) % step;
-        tier - Duration::from_millis(early as u64)
+        let early = step.mul_f64((tier.as_secs_f64() / wait.as_secs_f64()).min(1.0));
+        tier - early
     }
 }
 
@@ -143,35 +145,33 @@ mod tests {
     }
 
     #[test]
-    fn a_copy_to_recheck_comes_back_a_whole_number_of_steps_before_its_place() {
+    fn a_copy_to_recheck_comes_back_earlier_the_nearer_its_place() {
         let ms = Duration::from_millis;
-        // Due: the whole tier, whatever its place.
+        // Due: the whole tier, whatever its wait.
         assert_eq!(Lane::Due.stay(ms(7_300), secs(5)), secs(5));
-        // The 5 s tier steps by 1 s: 12.3 s to wait comes back at 4.3 s
-        // (8 s before its place), 12 s to wait at exactly 5 s.
-        assert_eq!(Lane::Recheck.stay(ms(12_300), secs(5)), ms(4_300));
-        assert_eq!(Lane::Recheck.stay(secs(12), secs(5)), secs(5));
-        // Longer tiers step by at most 5 s.
-        assert_eq!(Lane::Recheck.stay(ms(97_500), secs(30)), ms(27_500));
-        assert_eq!(Lane::Recheck.stay(ms(97_500), secs(3_600)), ms(3_597_500));
-        // Never longer than the tier, never shorter than the tier less its
-        // step, and back at a whole number of steps before its place: a
-        // herd of copies spaced 126 ms apart spreads over the step.
-        for tier in [secs(1), secs(5), secs(30), secs(120)] {
-            let step = (tier / 5).min(Lane::EARLY_MAX);
+        // The 5 s tier comes back up to 2.5 s early: 10 s to wait, 1.25 s.
+        assert_eq!(Lane::Recheck.stay(secs(10), secs(5)), ms(3_750));
+        // Longer tiers at most 5 s: 60 s to wait in the 30 s tier, 2.5 s.
+        assert_eq!(Lane::Recheck.stay(secs(60), secs(30)), ms(27_500));
+        // Within a tier the stay grows with the wait: a herd parked in the
+        // order of its places expires in that order (a queue expires from
+        // its head), spread over up to the step.
+        for tier in [secs(1), secs(5), secs(30), secs(120), secs(3_600)] {
+            let step = (tier / 2).min(Lane::EARLY_MAX);
+            let mut last = Duration::ZERO;
             for wait_ms in
-                (tier.as_millis() as u64 + 5_000..tier.as_millis() as u64 + 60_000).step_by(126)
+                (tier.as_millis() as u64 + 5_000..tier.as_millis() as u64 + 300_000).step_by(126)
             {
                 let stay = Lane::Recheck.stay(ms(wait_ms), tier);
                 assert!(
-                    stay <= tier && stay + step > tier,
+                    stay <= tier && stay >= tier - step,
                     "{wait_ms} ms in {tier:?}"
                 );
-                assert_eq!(
-                    (ms(wait_ms) - stay).as_millis() % step.as_millis(),
-                    0,
-                    "{wait_ms} ms in {tier:?}"
+                assert!(
+                    stay >= last,
+                    "{wait_ms} ms in {tier:?}: {stay:?} < {last:?}"
                 );
+                last = stay;
             }
         }
     }
