@@ -66,7 +66,8 @@ impl DelayTiers {
 }
 
 /// The way a parked copy comes back when its tier expires. Copies parked
-/// together (a backlog's first pass) come back together, and each takes a
+/// together (a backlog's first pass) come back close together (within the
+/// few seconds [`Lane::stay`] spreads them over), and each takes a
 /// publish confirmed by the broker to park again: a herd of a few hundred
 /// holds a FIFO queue for a few hundred ms at one delivery per queue. So a
 /// copy that only comes back to be looked at again never queues ahead of

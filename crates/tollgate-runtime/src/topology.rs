@@ -1,12 +1,13 @@
 //! Declaring the RabbitMQ topology as a worker (and `tollgate topology
-//! declare`) does: the exchanges and queues, then the work and return
-//! queues a larger `shards` left behind, drained rather than stranded.
+//! declare`) does: the exchanges and queues, then the queues of every lane
+//! (work, return, recheck) a larger `shards` left behind, drained rather
+//! than stranded.
 
 use tollgate_amqp::Broker;
 use tollgate_quota::QuotaStore;
 
-/// Declares the topology, and drains the work and return queues a larger
-/// `shards` left behind; returns their names. How many work queues may exist is recorded
+/// Declares the topology, and drains the queues of every lane a larger
+/// `shards` left behind; returns their names. How many shards may exist is recorded
 /// in Redis at every declaration; `beyond` (from `tollgate topology declare
 /// --drain-from`) names it when Redis lost that record. With Redis
 /// unreachable, only the declaration is done.

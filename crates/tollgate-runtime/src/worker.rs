@@ -820,8 +820,9 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
                     tier,
                     hop,
                 } => {
-                    let lane = Lane::of(now.until(until), tier);
-                    let stay = lane.stay(now.until(until), tier);
+                    let wait = now.until(until);
+                    let lane = Lane::of(wait, tier);
+                    let stay = lane.stay(wait, tier);
                     let progress = Progress {
                         enqueued_at: Some(now.saturating_add(stay)),
                         ..run.progress().clone()
@@ -837,18 +838,12 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
                         debug!(
                             reason = reason.as_str(),
                             tier_ms = tier.as_millis() as u64,
-                            wait_ms = now.until(until).as_millis() as u64,
+                            wait_ms = wait.as_millis() as u64,
                             "hop"
                         );
                     } else {
                         self.metrics.parked(tenant, reason);
-                        self.log_decision(
-                            job,
-                            &run,
-                            "parked",
-                            now.until(until),
-                            Some(reason.as_str()),
-                        );
+                        self.log_decision(job, &run, "parked", wait, Some(reason.as_str()));
                     }
                     return Ok(Settled::Parked(reason));
                 }
