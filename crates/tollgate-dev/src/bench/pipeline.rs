@@ -17,6 +17,7 @@ use tollgate_amqp::lapin::options::BasicAckOptions;
 use tollgate_amqp::lapin::{Connection, ConnectionProperties};
 use tollgate_quota::{Redis, Script};
 
+use super::rig::ServicesCpu;
 use super::throughput::{consume, delete_queue, fill_queue, tollgate_process};
 use super::{BenchArgs, Figure, Scenario, progress};
 use crate::fake_provider::{FakeProvider, always_ok};
@@ -60,12 +61,18 @@ pub async fn run(
         }
         let (mut minimal, mut tollgate, mut trips) = (vec![], vec![], vec![]);
         let (mut cpu, mut rss) = (vec![], vec![]);
+        // CPU-seconds per 1,000 jobs of Redis and the broker: the minimal
+        // pipeline's, then tollgate's.
+        let (mut redis_cpu, mut broker_cpu) = ([vec![], vec![]], [vec![], vec![]]);
         for i in 1..=args.runs {
             progress(&format!(
                 "pipeline prefetch {prefetch} {i}/{}: minimal pipeline, {} jobs",
                 args.runs, args.jobs
             ));
-            minimal.push(minimal_pipeline(base, args.jobs, prefetch).await?);
+            let (rate, services) = minimal_pipeline(base, args.jobs, prefetch).await?;
+            minimal.push(rate);
+            redis_cpu[0].push(services.redis);
+            broker_cpu[0].extend(services.broker);
             progress(&format!(
                 "pipeline prefetch {prefetch} {i}/{}: one tollgate worker process, {} jobs",
                 args.runs, args.jobs
@@ -81,8 +88,44 @@ pub async fn run(
             trips.push(run.round_trips_per_job);
             cpu.push(1_000.0 / run.jobs_per_cpu_second);
             rss.push(run.peak_rss_mib);
+            redis_cpu[1].push(run.services.redis);
+            broker_cpu[1].extend(run.services.broker);
         }
         let ratios = tollgate.iter().zip(&minimal).map(|(t, m)| t / m).collect();
+        let mut figures = vec![
+            Figure::new("minimal pipeline", "jobs/s", minimal),
+            Figure::new("tollgate, one worker", "jobs/s", tollgate),
+            Figure::new("tollgate / minimal pipeline", "ratio", ratios).target(">= 0.8"),
+            Figure::new("tollgate: Redis round trips per job", "calls", trips)
+                .target("<= 1.0 at prefetch >= 16"),
+            Figure::new("tollgate: CPU-seconds per 1,000 jobs", "cpu-s", cpu),
+            Figure::new("tollgate: peak RSS of the worker", "MiB", rss),
+        ];
+        let [minimal_redis, tollgate_redis] = redis_cpu;
+        figures.push(Figure::new(
+            "minimal pipeline: Redis CPU-seconds per 1,000 jobs",
+            "cpu-s",
+            minimal_redis,
+        ));
+        figures.push(Figure::new(
+            "tollgate: Redis CPU-seconds per 1,000 jobs",
+            "cpu-s",
+            tollgate_redis,
+        ));
+        // Only with the broker on this machine.
+        let [minimal_broker, tollgate_broker] = broker_cpu;
+        if !minimal_broker.is_empty() && !tollgate_broker.is_empty() {
+            figures.push(Figure::new(
+                "minimal pipeline: RabbitMQ CPU-seconds per 1,000 jobs",
+                "cpu-s",
+                minimal_broker,
+            ));
+            figures.push(Figure::new(
+                "tollgate: RabbitMQ CPU-seconds per 1,000 jobs",
+                "cpu-s",
+                tollgate_broker,
+            ));
+        }
         out.push(Scenario {
             key,
             title,
@@ -94,22 +137,19 @@ pub async fn run(
                     unlimited quota, 8 tenants",
                 "provider": "local, answers 200 at once", "queue_type": "quorum",
             }),
-            figures: vec![
-                Figure::new("minimal pipeline", "jobs/s", minimal),
-                Figure::new("tollgate, one worker", "jobs/s", tollgate),
-                Figure::new("tollgate / minimal pipeline", "ratio", ratios).target(">= 0.8"),
-                Figure::new("tollgate: Redis round trips per job", "calls", trips)
-                    .target("<= 1.0 at prefetch >= 16"),
-                Figure::new("tollgate: CPU-seconds per 1,000 jobs", "cpu-s", cpu),
-                Figure::new("tollgate: peak RSS of the worker", "MiB", rss),
-            ],
+            figures,
         });
     }
     Ok(out)
 }
 
-/// Jobs/s of the minimal pipeline over `n` jobs with `prefetch` in flight.
-async fn minimal_pipeline(base: &Config, n: u32, prefetch: u16) -> anyhow::Result<f64> {
+/// Jobs/s of the minimal pipeline over `n` jobs with `prefetch` in flight,
+/// and what they cost Redis and the broker per 1,000 jobs.
+async fn minimal_pipeline(
+    base: &Config,
+    n: u32,
+    prefetch: u16,
+) -> anyhow::Result<(f64, ServicesCpu)> {
     let provider = FakeProvider::start(always_ok()).await?;
     let url = format!("{}/send", provider.url());
     let conn = Connection::connect(base.amqp_url.expose(), ConnectionProperties::default())
@@ -120,6 +160,7 @@ async fn minimal_pipeline(base: &Config, n: u32, prefetch: u16) -> anyhow::Resul
     let script = Script::new(PERMIT_LUA);
     let counter = format!("{queue}:permits");
     let http = reqwest::Client::new();
+    let services_before = ServicesCpu::now(&redis).await?;
     let mut consumer = consume(&conn, &queue, prefetch).await?;
     let mut started = None;
     // By reference: dropping the consumer closes its channel, and the last
@@ -151,6 +192,9 @@ async fn minimal_pipeline(base: &Config, n: u32, prefetch: u16) -> anyhow::Resul
         })
         .await?;
     let elapsed = started.map(|s| s.elapsed()).unwrap_or_default();
+    let services = ServicesCpu::now(&redis)
+        .await?
+        .per_1000_jobs_since(&services_before, n as usize);
     let mut redis_conn = redis.conn().await?;
     let _: i64 = tollgate_quota::redis_cmd("DEL")
         .arg(&counter)
@@ -158,5 +202,5 @@ async fn minimal_pipeline(base: &Config, n: u32, prefetch: u16) -> anyhow::Resul
         .await?;
     delete_queue(&conn, &queue).await?;
     let _ = conn.close(200, "bench done".into()).await;
-    Ok(f64::from(n) / elapsed.as_secs_f64())
+    Ok((f64::from(n) / elapsed.as_secs_f64(), services))
 }

@@ -235,6 +235,57 @@ pub fn cpu_seconds(pid: u32) -> anyhow::Result<f64> {
     Ok(ticks / 100.0) // USER_HZ is 100 on Linux
 }
 
+/// CPU-seconds the shared services have used: Redis by its own count
+/// (`INFO cpu`, every master on a cluster) and RabbitMQ as every `beam.smp`
+/// process on this machine (`None` when there is none: a broker elsewhere).
+/// The difference over a run says what its jobs cost the services, which a
+/// worker's own CPU does not show.
+#[derive(Clone, Copy, Debug)]
+pub struct ServicesCpu {
+    pub redis: f64,
+    pub broker: Option<f64>,
+}
+
+impl ServicesCpu {
+    pub async fn now(redis: &tollgate_quota::Redis) -> anyhow::Result<Self> {
+        let info = redis.info("cpu").await?.join("\n");
+        let redis_cpu = info
+            .lines()
+            .filter_map(|line| line.split_once(':'))
+            .filter(|(name, _)| matches!(*name, "used_cpu_sys" | "used_cpu_user"))
+            .filter_map(|(_, value)| value.trim().parse::<f64>().ok())
+            .sum();
+        let mut broker = None;
+        for entry in std::fs::read_dir("/proc")? {
+            let Some(pid) = entry?
+                .file_name()
+                .to_str()
+                .and_then(|n| n.parse::<u32>().ok())
+            else {
+                continue;
+            };
+            let is_beam = std::fs::read_to_string(format!("/proc/{pid}/comm"))
+                .is_ok_and(|comm| comm.trim() == "beam.smp");
+            if is_beam && let Ok(cpu) = cpu_seconds(pid) {
+                *broker.get_or_insert(0.0) += cpu;
+            }
+        }
+        Ok(Self {
+            redis: redis_cpu,
+            broker,
+        })
+    }
+
+    /// CPU-seconds per 1,000 jobs from `before` to `self`.
+    pub fn per_1000_jobs_since(&self, before: &Self, jobs: usize) -> Self {
+        let per_1000 = |now: f64, then: f64| (now - then) * 1_000.0 / jobs as f64;
+        Self {
+            redis: per_1000(self.redis, before.redis),
+            broker: self.broker.zip(before.broker).map(|(n, t)| per_1000(n, t)),
+        }
+    }
+}
+
 /// Peak resident set size of a process, in MiB.
 pub fn peak_rss_mib(pid: u32) -> anyhow::Result<f64> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;

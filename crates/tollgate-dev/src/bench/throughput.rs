@@ -208,6 +208,8 @@ pub(super) struct ThroughputRun {
     pub jobs_per_cpu_second: f64,
     /// Peak resident memory of the worker process over the run.
     pub peak_rss_mib: f64,
+    /// What the run cost Redis and the broker, per 1,000 jobs.
+    pub services: rig::ServicesCpu,
 }
 
 /// One tollgate worker process (with `extra` environment) through `n` jobs
@@ -229,9 +231,10 @@ pub(super) async fn tollgate_process(
     let total = (per_tenant * TENANTS) as usize;
     let redis = Redis::new(&rig.config.redis_settings())?;
     let worker = rig.spawn_process(extra).await?;
-    let (cpu_before, trips_before) = (
+    let (cpu_before, trips_before, services_before) = (
         rig::cpu_seconds(worker.pid)?,
         client_round_trips(&redis).await?,
+        rig::ServicesCpu::now(&redis).await?,
     );
     rig.until_accepted(1, Duration::from_secs(30)).await?;
     let started = Instant::now();
@@ -241,6 +244,9 @@ pub(super) async fn tollgate_process(
     tokio::time::sleep(Duration::from_millis(300)).await;
     let cpu = rig::cpu_seconds(worker.pid)? - cpu_before;
     let trips = client_round_trips(&redis).await? - trips_before;
+    let services = rig::ServicesCpu::now(&redis)
+        .await?
+        .per_1000_jobs_since(&services_before, total);
     let peak_rss_mib = rig::peak_rss_mib(worker.pid)?;
     rig.cleanup().await?;
     Ok(ThroughputRun {
@@ -248,6 +254,7 @@ pub(super) async fn tollgate_process(
         round_trips_per_job: trips as f64 / total as f64,
         jobs_per_cpu_second: total as f64 / cpu,
         peak_rss_mib,
+        services,
     })
 }
 
