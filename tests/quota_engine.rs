@@ -96,7 +96,7 @@ async fn lowering_and_raising_a_quota_apply_at_once() {
     tokio::time::sleep(Duration::from_secs(5)).await;
     let raised = Instant::now();
     env.set_quota("live", "20/s", 1).await;
-    tokio::time::sleep(Duration::from_secs(7)).await;
+    tokio::time::sleep(Duration::from_secs(9)).await;
 
     let received = provider.received();
     // Once the change is visible (sends already reserved go out within the
@@ -114,13 +114,15 @@ async fn lowering_and_raising_a_quota_apply_at_once() {
     );
     // Raising: the parked backlog comes back faster than the old 5/s
     // schedule would allow (every parked job re-asks within one 5 s hop).
+    // Counted over 4 s: over 2 s, a few copies coming back together moved
+    // the rate by a quarter.
     let old_schedule = rate_between(&received, lowered + Duration::from_secs(1), raised);
     let after_raise = rate_between(
         &received,
         raised + Duration::from_secs(5),
-        raised + Duration::from_secs(7),
+        raised + Duration::from_secs(9),
     );
-    eprintln!("rate while lowered: {old_schedule:.1}/s; 5-7 s after the raise: {after_raise:.1}/s");
+    eprintln!("rate while lowered: {old_schedule:.1}/s; 5-9 s after the raise: {after_raise:.1}/s");
     assert!(old_schedule <= 5.5, "{old_schedule:.1}/s while lowered");
     assert!(
         after_raise > 2.0 * old_schedule,
