@@ -422,11 +422,11 @@ local function permit(KEYS, ARGV)
     -- (after a lowered rate re-spaced the places, those slots are the only
     -- ones anyone takes), when the quota changed since its place was given
     -- or in the last RESPACED_US (after a raise, that is how a parked
-    -- backlog picks up the new rate within a hop), and for an adaptive quota, whose spacing moves with
-    -- every probe: its places are re-spaced around the last move only, and
-    -- the free slots that leaves are filled by whoever asks (measured: a
-    -- backlog at 0.82 of the provider's limit when they were not, 0.92
-    -- when they were).
+    -- backlog picks up the new rate within a hop), and for an adaptive
+    -- quota, whose spacing moves with every probe: its places are
+    -- re-spaced around the last move only, and the free slots that leaves
+    -- are filled by whoever asks (measured: a backlog at 0.82 of the
+    -- provider's limit when they were not, 0.92 when they were).
     local carried = tonumber(returning_interval_us)
     local changed_ms = tonumber(q[1]) and tonumber(q[9]) or tonumber(default_changed_ms)
     local far = remaining and remaining > horizon and not tonumber(returning_share_place)
