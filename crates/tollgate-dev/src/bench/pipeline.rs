@@ -101,30 +101,30 @@ pub async fn run(
             Figure::new("tollgate: CPU-seconds per 1,000 jobs", "cpu-s", cpu),
             Figure::new("tollgate: peak RSS of the worker", "MiB", rss),
         ];
-        let [minimal_redis, tollgate_redis] = redis_cpu;
-        figures.push(Figure::new(
-            "minimal pipeline: Redis CPU-seconds per 1,000 jobs",
-            "cpu-s",
-            minimal_redis,
-        ));
-        figures.push(Figure::new(
-            "tollgate: Redis CPU-seconds per 1,000 jobs",
-            "cpu-s",
-            tollgate_redis,
-        ));
-        // Only with the broker on this machine.
-        let [minimal_broker, tollgate_broker] = broker_cpu;
-        if !minimal_broker.is_empty() && !tollgate_broker.is_empty() {
-            figures.push(Figure::new(
-                "minimal pipeline: RabbitMQ CPU-seconds per 1,000 jobs",
-                "cpu-s",
-                minimal_broker,
-            ));
-            figures.push(Figure::new(
-                "tollgate: RabbitMQ CPU-seconds per 1,000 jobs",
-                "cpu-s",
-                tollgate_broker,
-            ));
+        // The broker's only with the broker on this machine.
+        let services = [
+            (
+                [
+                    "minimal pipeline: Redis CPU-seconds per 1,000 jobs",
+                    "tollgate: Redis CPU-seconds per 1,000 jobs",
+                ],
+                redis_cpu,
+            ),
+            (
+                [
+                    "minimal pipeline: RabbitMQ CPU-seconds per 1,000 jobs",
+                    "tollgate: RabbitMQ CPU-seconds per 1,000 jobs",
+                ],
+                broker_cpu,
+            ),
+        ];
+        for (names, runs) in services {
+            if runs.iter().any(Vec::is_empty) {
+                continue;
+            }
+            for (name, values) in names.into_iter().zip(runs) {
+                figures.push(Figure::new(name, "cpu-s", values));
+            }
         }
         out.push(Scenario {
             key,
