@@ -5,6 +5,7 @@
 
 use std::future::Future;
 
+use crate::clock::UnixMillis;
 use crate::ids::{IdempotencyKey, JobId, Kind, TenantId};
 use crate::job::Job;
 use crate::outcome::ProviderResponse;
@@ -85,6 +86,17 @@ pub struct Learned {
     pub route: Option<f64>,
 }
 
+/// A permit decision and when it was made, on the pod's clock: its
+/// `delay` and `retry_in` count from then. A decision may be read well
+/// after it was made (on a busy pod, a reply waits its turn behind other
+/// jobs' replies), and a wait counted from when it was read would send the
+/// job, or bring it back for its place, late by as much.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Decided {
+    pub decision: PermitDecision,
+    pub made_at: UnixMillis,
+}
+
 /// The fleet-wide permit decision (one atomic call) and its bookkeeping.
 pub trait PermitStore: Send + Sync + 'static {
     type Error: std::error::Error + Send + Sync + 'static;
@@ -93,7 +105,7 @@ pub trait PermitStore: Send + Sync + 'static {
     fn acquire(
         &self,
         req: PermitRequest<'_>,
-    ) -> impl Future<Output = Result<PermitDecision, Self::Error>> + Send;
+    ) -> impl Future<Output = Result<Decided, Self::Error>> + Send;
 
     /// A round trip, for readiness probes.
     fn ping(&self) -> impl Future<Output = Result<(), Self::Error>> + Send;

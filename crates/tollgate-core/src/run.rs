@@ -345,11 +345,19 @@ impl JobRun {
         self.begin_wait(policy, now, wait, ParkReason::Backoff)
     }
 
+    /// The permit store's decision, made at `made_at` and read at `now`.
+    /// Its waits count from when it was made: a decision read late (its
+    /// reply queued behind others on a busy pod) sends the job at the slot
+    /// the store chose, or not at all (past the permit's leeway the job asks
+    /// again), and brings a job back for its place on time; counted from
+    /// `now`, both were late by as much (a send 33 ms late put three sends
+    /// of a 2/s tenant in one second).
     /// `jitter` is uniform in [0, 1), drawn by the runtime.
     pub fn on_permit(
         &mut self,
         policy: &Policy,
         decision: PermitDecision,
+        made_at: UnixMillis,
         now: UnixMillis,
         jitter: f64,
     ) -> Action {
@@ -361,17 +369,19 @@ impl JobRun {
         if decision != PermitDecision::Unavailable {
             self.progress.unavailable = 0;
         }
+        // What is left of a wait the decision gave.
+        let left = |wait: Duration| now.until(made_at.saturating_add(wait));
         match decision {
             PermitDecision::Granted { delay, leeway, .. } => {
                 self.stage = Stage::Granted;
-                self.slot = Some((now.saturating_add(delay), leeway));
-                if delay.is_zero() {
+                let slot = made_at.saturating_add(delay);
+                self.slot = Some((slot, leeway));
+                self.progress.quota_wait += delay;
+                if slot <= now {
+                    // Due already (or late: `too_late` decides).
                     Action::CallProvider
                 } else {
-                    self.progress.quota_wait += delay;
-                    Action::AwaitSlot {
-                        until: now.saturating_add(delay),
-                    }
+                    Action::AwaitSlot { until: slot }
                 }
             }
             PermitDecision::Denied {
@@ -384,20 +394,21 @@ impl JobRun {
                 self.progress.share_place = share_place;
                 if kept {
                     // Same wait, maybe re-spaced: a hop, not a new park.
-                    self.arrived_waiting = Some((now.saturating_add(retry_in), ParkReason::Quota));
+                    self.arrived_waiting =
+                        Some((made_at.saturating_add(retry_in), ParkReason::Quota));
                 }
-                self.begin_wait(policy, now, retry_in, ParkReason::Quota)
+                self.begin_wait(policy, now, left(retry_in), ParkReason::Quota)
             }
             PermitDecision::Duplicate => Action::Complete(Completion::Duplicate),
             PermitDecision::InFlight { retry_in } => {
-                self.begin_wait(policy, now, retry_in, ParkReason::Backoff)
+                self.begin_wait(policy, now, left(retry_in), ParkReason::Backoff)
             }
             PermitDecision::Paused { retry_in } => {
-                self.begin_wait(policy, now, retry_in, ParkReason::Paused)
+                self.begin_wait(policy, now, left(retry_in), ParkReason::Paused)
             }
             PermitDecision::Cancelled => Action::Complete(Completion::Skipped),
             PermitDecision::AtConcurrency { retry_in } => {
-                self.begin_wait(policy, now, retry_in, ParkReason::Quota)
+                self.begin_wait(policy, now, left(retry_in), ParkReason::Quota)
             }
             PermitDecision::Unavailable => self.unavailable(policy, now, jitter),
         }
@@ -639,7 +650,7 @@ mod tests {
             run.on_eligibility(&p, Eligibility::Eligible, T0, 0.5),
             Action::AskPermit
         );
-        let a = run.on_permit(&p, GRANTED, T0, 0.5);
+        let a = run.on_permit(&p, GRANTED, T0, T0, 0.5);
         assert_eq!(a, Action::CallProvider);
         assert_eq!(run.attempt(), 1);
         let a = run.on_provider(&p, ProviderOutcome::Sent, T0, 0.5);
@@ -710,6 +721,7 @@ mod tests {
                 leeway: Duration::from_millis(10),
             },
             T0,
+            T0,
             0.5,
         );
         assert_eq!(
@@ -736,7 +748,7 @@ mod tests {
             leeway: Duration::from_millis(10),
         };
         assert_eq!(
-            run.on_permit(&p, reserved, T0, 0.5),
+            run.on_permit(&p, reserved, T0, T0, 0.5),
             Action::AwaitSlot { until: at(80) }
         );
         assert_eq!(run.next(&p, at(80)), Action::CallProvider);
@@ -744,11 +756,58 @@ mod tests {
         assert_eq!(run.too_late(at(91)), Some(Action::AskPermit));
         // Asked again and granted for now: used at once.
         assert_eq!(
-            run.on_permit(&p, GRANTED, at(91), 0.5),
+            run.on_permit(&p, GRANTED, at(91), at(91), 0.5),
             Action::CallProvider
         );
         assert_eq!(run.too_late(at(91)), None);
         assert_eq!(run.attempt(), 1, "no attempt used");
+    }
+
+    #[test]
+    fn a_permit_read_late_keeps_the_slot_the_store_chose() {
+        let p = policy();
+        let reserved = PermitDecision::Granted {
+            delay: Duration::from_millis(80),
+            shadow: Shadow::None,
+            leeway: Duration::from_millis(10),
+        };
+        // Made at T0, read 30 ms later: the slot is still T0 + 80 ms.
+        let mut run = JobRun::new(&job(""), Progress::default(), T0);
+        run.next(&p, T0);
+        assert_eq!(
+            run.on_permit(&p, reserved, T0, at(30), 0.5),
+            Action::AwaitSlot { until: at(80) }
+        );
+        // Read past its slot and leeway: the call is due at once, and the
+        // check just before it finds it too late, so the job asks again.
+        let mut late = JobRun::new(&job(""), Progress::default(), T0);
+        late.next(&p, T0);
+        assert_eq!(
+            late.on_permit(&p, reserved, T0, at(95), 0.5),
+            Action::CallProvider
+        );
+        assert_eq!(late.too_late(at(95)), Some(Action::AskPermit));
+    }
+
+    #[test]
+    fn a_denial_read_late_brings_the_job_back_for_its_place_on_time() {
+        let p = policy();
+        let mut run = JobRun::new(&job(""), Progress::default(), T0);
+        run.next(&p, T0);
+        let denied = PermitDecision::Denied {
+            retry_in: Duration::from_millis(400),
+            interval: None,
+            kept: false,
+            share_place: None,
+        };
+        assert_eq!(
+            run.on_permit(&p, denied, T0, at(30), 0.5),
+            Action::Hold {
+                until: at(400),
+                reason: ParkReason::Quota
+            }
+        );
+        assert_eq!(run.progress().not_before, Some(at(400)));
     }
 
     #[test]
@@ -764,6 +823,7 @@ mod tests {
                 kept: false,
                 share_place: None,
             },
+            T0,
             T0,
             0.5,
         );
@@ -789,7 +849,7 @@ mod tests {
             share_place: Some(1_234_567),
         };
         assert_eq!(
-            back.on_permit(&p, kept, at(5_004), 0.5),
+            back.on_permit(&p, kept, at(5_004), at(5_004), 0.5),
             Action::Park {
                 until: at(7_500),
                 reason: ParkReason::Quota,
@@ -829,7 +889,7 @@ mod tests {
         let first = |retry_in_ms| {
             let mut run = JobRun::new(&job(""), Progress::default(), T0);
             run.next(&p, T0);
-            run.on_permit(&p, denied(retry_in_ms), T0, 0.5)
+            run.on_permit(&p, denied(retry_in_ms), T0, T0, 0.5)
         };
         // 5.2 s to its place: not the 5 s tier (back 0.2 s before it, late
         // behind any herd of returning copies) but the 1 s tier.
@@ -866,7 +926,7 @@ mod tests {
         // 40 s to wait: the first hop is at most half of it (the 5 s tier
         // of 1, 5, 30, 120 s …).
         assert!(matches!(
-            run.on_permit(&p, denied, T0, 0.5),
+            run.on_permit(&p, denied, T0, T0, 0.5),
             Action::Park { tier, hop: false, .. } if tier == Duration::from_secs(5)
         ));
         let mut back = JobRun::new(&job(""), run.progress().clone(), at(5_003));
@@ -887,7 +947,7 @@ mod tests {
             share_place: None,
         };
         assert!(matches!(
-            back.on_permit(&p, respaced, at(5_003), 0.5),
+            back.on_permit(&p, respaced, at(5_003), at(5_003), 0.5),
             Action::Park { hop: true, .. }
         ));
         assert_eq!(
@@ -899,7 +959,7 @@ mod tests {
         let mut lucky = JobRun::new(&job(""), run.progress().clone(), at(5_003));
         lucky.next(&p, at(5_003));
         assert_eq!(
-            lucky.on_permit(&p, GRANTED, at(5_003), 0.5),
+            lucky.on_permit(&p, GRANTED, at(5_003), at(5_003), 0.5),
             Action::CallProvider
         );
     }
@@ -914,7 +974,7 @@ mod tests {
                 Action::CheckEligibility
             );
             let now = at(i64::from(attempt) * 100_000);
-            run.on_permit(&p, GRANTED, now, 0.5);
+            run.on_permit(&p, GRANTED, now, now, 0.5);
             assert_eq!(run.attempt(), attempt);
             let a = run.on_provider(&p, ProviderOutcome::Failed, now, 0.99);
             if attempt < 3 {
@@ -942,7 +1002,7 @@ mod tests {
         let p = policy();
         let mut run = JobRun::new(&job(""), Progress::default(), T0);
         run.next(&p, T0);
-        run.on_permit(&p, GRANTED, T0, 0.5);
+        run.on_permit(&p, GRANTED, T0, T0, 0.5);
         let a = run.on_provider(
             &p,
             ProviderOutcome::Throttled {
@@ -965,7 +1025,7 @@ mod tests {
         for retry_after in [Some(Duration::ZERO), Some(Duration::from_millis(20)), None] {
             let mut run = JobRun::new(&job(""), Progress::default(), T0);
             run.next(&p, T0);
-            run.on_permit(&p, GRANTED, T0, 0.5);
+            run.on_permit(&p, GRANTED, T0, T0, 0.5);
             let a = run.on_provider(&p, ProviderOutcome::Throttled { retry_after }, T0, 0.5);
             match a {
                 Action::Hold { until, .. } | Action::Park { until, .. } => assert!(
@@ -991,6 +1051,7 @@ mod tests {
                 shadow: Shadow::None,
                 leeway: Duration::from_millis(10),
             },
+            T0,
             T0,
             0.5,
         );
@@ -1019,12 +1080,12 @@ mod tests {
         let mut run = JobRun::new(&job(""), Progress::default(), T0);
         run.next(&p, T0);
         assert_eq!(
-            run.on_permit(&p, PermitDecision::Duplicate, T0, 0.5),
+            run.on_permit(&p, PermitDecision::Duplicate, T0, T0, 0.5),
             Action::Complete(Completion::Duplicate)
         );
         let mut run = JobRun::new(&job(""), Progress::default(), T0);
         run.next(&p, T0);
-        run.on_permit(&p, GRANTED, T0, 0.5);
+        run.on_permit(&p, GRANTED, T0, T0, 0.5);
         assert_eq!(
             run.on_provider(
                 &p,
@@ -1053,6 +1114,7 @@ mod tests {
                 retry_in: Duration::from_secs(5),
             },
             T0,
+            T0,
             0.5,
         );
         assert!(matches!(
@@ -1070,7 +1132,7 @@ mod tests {
             retry_in: Duration::from_millis(500),
         };
         assert!(matches!(
-            run.on_permit(&p, short, T0, 0.5),
+            run.on_permit(&p, short, T0, T0, 0.5),
             Action::Park {
                 reason: ParkReason::Paused,
                 ..
@@ -1079,7 +1141,7 @@ mod tests {
         let mut run = JobRun::new(&job(""), Progress::default(), T0);
         run.next(&p, T0);
         assert_eq!(
-            run.on_permit(&p, PermitDecision::Cancelled, T0, 0.5),
+            run.on_permit(&p, PermitDecision::Cancelled, T0, T0, 0.5),
             Action::Complete(Completion::Skipped)
         );
         let mut run = JobRun::new(&job(""), Progress::default(), T0);
@@ -1130,7 +1192,7 @@ mod tests {
         let p = policy();
         let mut run = JobRun::new(&job(""), Progress::default(), T0);
         run.next(&p, T0);
-        let a = run.on_permit(&p, PermitDecision::Unavailable, T0, 0.999);
+        let a = run.on_permit(&p, PermitDecision::Unavailable, T0, T0, 0.999);
         assert_eq!(
             a,
             Action::Hold {
@@ -1154,7 +1216,7 @@ mod tests {
         for i in 0..6 {
             assert_eq!(run.next(&p, now), Action::CheckEligibility);
             let jitter = [0.0, 0.999][i % 2];
-            let a = run.on_permit(&p, PermitDecision::Unavailable, now, jitter);
+            let a = run.on_permit(&p, PermitDecision::Unavailable, now, now, jitter);
             let until = match a {
                 Action::Hold { until, .. } => {
                     assert!(i == 0, "only the first wait is short enough to hold");
@@ -1176,7 +1238,7 @@ mod tests {
         );
         // The store answers again: the count starts over.
         assert_eq!(run.next(&p, now), Action::CheckEligibility);
-        run.on_permit(&p, GRANTED, now, 0.5);
+        run.on_permit(&p, GRANTED, now, now, 0.5);
         assert_eq!(run.progress().unavailable, 0);
         assert_eq!(run.attempt(), 1, "an outage uses no attempt");
     }
@@ -1195,6 +1257,7 @@ mod tests {
                 kept: false,
                 share_place: None,
             },
+            T0,
             T0,
             0.5,
         );
@@ -1251,7 +1314,7 @@ mod tests {
                     other => prop_assert!(false, "unexpected {other:?}"),
                 }
                 prop_assert_eq!(
-                    run.on_permit(&p, GRANTED, now, 0.5),
+                    run.on_permit(&p, GRANTED, now, now, 0.5),
                     Action::CallProvider
                 );
                 let outcome = if throttles.next().unwrap_or(false) {

@@ -19,6 +19,7 @@ macro_rules! lua {
 }
 
 mod activity;
+mod clock_offset;
 mod conn;
 mod keys;
 mod permit;

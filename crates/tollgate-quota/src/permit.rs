@@ -3,7 +3,9 @@
 //! `NOSCRIPT` after a restart or failover), time from Redis `TIME` so the
 //! whole fleet shares one clock. A pod's calls are batched: the decisions and
 //! records asked for while one call is in flight go in the next, one round
-//! trip for all of them.
+//! trip for all of them. The batches' round trips also teach the pod where
+//! Redis's clock is against its own ([`ClockOffset`]), so a grant's send
+//! time is kept on the pod's clock however late its reply is read.
 //!
 //! A small local cache spares Redis the deliveries of a tenant that is
 //! already known to wait. While a tenant flows, every request goes to Redis
@@ -23,10 +25,11 @@ use std::time::{Duration, Instant};
 use redis::Script;
 use tokio::sync::{mpsc, oneshot};
 use tollgate_core::ports::{
-    Learned, Penalty, PermitRequest, PermitStore, PermitUse, ThrottleScope,
+    Decided, Learned, Penalty, PermitRequest, PermitStore, PermitUse, ThrottleScope,
 };
-use tollgate_core::{Kind, PermitDecision, Priority, Quota, Shadow, TenantId};
+use tollgate_core::{Kind, PermitDecision, Priority, Quota, Shadow, TenantId, UnixMillis};
 
+use crate::clock_offset::ClockOffset;
 use crate::store::{ACTIVE_FOR_S, AuditFields, audit_entry};
 use crate::{Keys, QuotaError, Redis, Target};
 
@@ -427,6 +430,9 @@ struct Call {
     group: Group,
     keys: Vec<String>,
     args: Vec<String>,
+    /// Its reply reads Redis's clock (no `now` override): a sample of the
+    /// clocks' offset.
+    reads_clock: bool,
     done: oneshot::Sender<Result<Vec<i64>, QuotaError>>,
 }
 
@@ -441,6 +447,8 @@ struct Batched {
     /// Started with the first call, inside the runtime; ends when the
     /// permit store is dropped.
     queue: OnceLock<mpsc::UnboundedSender<Call>>,
+    /// Redis's clock against this pod's, learned from the batches.
+    clock: Arc<Mutex<ClockOffset>>,
 }
 
 impl Batched {
@@ -449,7 +457,13 @@ impl Batched {
             redis,
             script: Script::new(BATCH_LUA),
             queue: OnceLock::new(),
+            clock: Arc::default(),
         }
+    }
+
+    /// Redis's clock minus this pod's (microseconds), once a batch taught it.
+    fn clock_offset(&self) -> Option<i64> {
+        self.clock.lock().expect("not poisoned").offset()
     }
 
     async fn call(
@@ -457,6 +471,7 @@ impl Batched {
         group: Group,
         keys: Vec<String>,
         args: Vec<String>,
+        reads_clock: bool,
     ) -> Result<Vec<i64>, QuotaError> {
         let queue = self.queue.get_or_init(|| {
             let (queue, calls) = mpsc::unbounded_channel();
@@ -464,6 +479,7 @@ impl Batched {
                 Arc::clone(&self.redis),
                 self.script.clone(),
                 calls,
+                Arc::clone(&self.clock),
             ));
             queue
         });
@@ -474,6 +490,7 @@ impl Batched {
                 group,
                 keys,
                 args,
+                reads_clock,
                 done,
             })
             .map_err(|_| stopped())?;
@@ -485,6 +502,7 @@ async fn call_in_batches(
     redis: Arc<Redis>,
     script: Script,
     mut queue: mpsc::UnboundedReceiver<Call>,
+    clock: Arc<Mutex<ClockOffset>>,
 ) {
     let mut batch = Vec::with_capacity(BATCH_MAX);
     while queue.recv_many(&mut batch, BATCH_MAX).await > 0 {
@@ -498,13 +516,31 @@ async fn call_in_batches(
                 invocation.arg(arg);
             }
         }
+        let mut sent = wall_clock_micros();
         let replies = match redis.conn().await {
-            Ok(mut conn) => invocation
-                .invoke_async::<Vec<Vec<i64>>>(&mut conn)
-                .await
-                .map_err(|e| redis.classify(e)),
+            Ok(mut conn) => {
+                sent = wall_clock_micros();
+                invocation
+                    .invoke_async::<Vec<Vec<i64>>>(&mut conn)
+                    .await
+                    .map_err(|e| redis.classify(e))
+            }
             Err(e) => Err(e),
         };
+        if let Ok(replies) = &replies {
+            // A grant is `{0, delay, _, send}`: Redis's clock read `send - delay`.
+            let remote = batch.iter().zip(replies).find_map(|(c, r)| {
+                (c.reads_clock && matches!(c.group, Group::Permit) && r.len() > 3 && r[0] == 0)
+                    .then(|| r[3] - r[1])
+            });
+            if let Some(remote) = remote {
+                let received = wall_clock_micros();
+                clock
+                    .lock()
+                    .expect("not poisoned")
+                    .observe(sent, received, remote);
+            }
+        }
         let replies: Vec<_> = match replies {
             Ok(r) if r.len() == batch.len() => r.into_iter().map(Ok).collect(),
             Ok(r) => {
@@ -605,6 +641,17 @@ impl RedisPermits {
         slots: u32,
         now_micros: Option<u64>,
     ) -> Result<Reply, QuotaError> {
+        Ok(self.decide_made(req, slots, now_micros).await?.0)
+    }
+
+    /// [`Self::decide`], and for a grant on Redis's own clock, when Redis
+    /// made it on this pod's clock (its `delay` counts from then).
+    async fn decide_made(
+        &self,
+        req: PermitRequest<'_>,
+        slots: u32,
+        now_micros: Option<u64>,
+    ) -> Result<(Reply, Option<UnixMillis>), QuotaError> {
         let s = &self.settings;
         let d = self.default_quota().await?.unwrap_or(StoredDefault {
             count: s.default_quota.rate.count,
@@ -636,18 +683,17 @@ impl RedisPermits {
         let keys = PermitKeys::new(&self.keys, &req).in_order().into();
         let reply = self
             .calls
-            .call(Group::Permit, keys, args.in_order().into())
+            .call(
+                Group::Permit,
+                keys,
+                args.in_order().into(),
+                now_micros.is_none(),
+            )
             .await?;
         let at = |i: usize| Duration::from_micros(reply.get(i).copied().unwrap_or(0).max(0) as u64);
-        let decision = match reply.first().copied() {
+        let mut decision = match reply.first().copied() {
             Some(0) => PermitDecision::Granted {
-                // Hold until the absolute send time Redis chose, not for
-                // `delay` from whenever the reply arrived: reply latency
-                // varies, and would bunch sends that Redis spaced evenly.
-                delay: match (now_micros, reply.get(3)) {
-                    (None, Some(&send)) => until_wall_clock(send),
-                    _ => at(1),
-                },
+                delay: at(1),
                 shadow: match reply.get(2) {
                     Some(1) => Shadow::Allow,
                     Some(2) => Shadow::Deny,
@@ -656,19 +702,24 @@ impl RedisPermits {
                 leeway: at(4),
             },
             Some(1) => {
-                return Ok(Reply::Denied {
-                    retry_in: at(1),
-                    interval: at(2),
-                    slots: reply.get(3).copied().unwrap_or(1).max(1) as u32,
-                    kept: reply.get(4) == Some(&1),
-                    share: match (reply.get(5), reply.get(6)) {
-                        (Some(&first), Some(&step)) if first > 0 && step > 0 => Some(SharePlaces {
-                            first: first as u64,
-                            step: step as u64,
-                        }),
-                        _ => None,
+                return Ok((
+                    Reply::Denied {
+                        retry_in: at(1),
+                        interval: at(2),
+                        slots: reply.get(3).copied().unwrap_or(1).max(1) as u32,
+                        kept: reply.get(4) == Some(&1),
+                        share: match (reply.get(5), reply.get(6)) {
+                            (Some(&first), Some(&step)) if first > 0 && step > 0 => {
+                                Some(SharePlaces {
+                                    first: first as u64,
+                                    step: step as u64,
+                                })
+                            }
+                            _ => None,
+                        },
                     },
-                });
+                    None,
+                ));
             }
             Some(2) => PermitDecision::Duplicate,
             Some(3) => PermitDecision::InFlight { retry_in: at(1) },
@@ -677,7 +728,35 @@ impl RedisPermits {
             Some(6) => PermitDecision::AtConcurrency { retry_in: at(1) },
             _ => return Err(QuotaError::BadReply(format!("{reply:?}"))),
         };
-        Ok(Reply::Decision(decision))
+        // The send time Redis chose, on this pod's clock: counted from when
+        // the reply was read instead, a send went out as late as the reply
+        // had waited (in Redis's socket, or for the pod's runtime).
+        let made = match (decision, now_micros, reply.get(3)) {
+            (
+                PermitDecision::Granted {
+                    delay,
+                    shadow,
+                    leeway,
+                },
+                None,
+                Some(&send),
+            ) => {
+                let offset = self.calls.clock_offset().unwrap_or(0);
+                let send = send - offset;
+                let made = send - delay.as_micros() as i64;
+                // Whole ms on the pod's clock, the slot rounded up: never early.
+                let made_ms = made.div_euclid(1000);
+                let slot_ms = (send + 999).div_euclid(1000);
+                decision = PermitDecision::Granted {
+                    delay: Duration::from_millis((slot_ms - made_ms).max(0) as u64),
+                    shadow,
+                    leeway,
+                };
+                Some(UnixMillis(made_ms))
+            }
+            _ => None,
+        };
+        Ok((Reply::Decision(decision), made))
     }
 
     /// One completion ([`PermitStore::complete`]), batched with the others
@@ -724,7 +803,7 @@ impl RedisPermits {
                 .map(|lag| lag.as_millis().to_string())
                 .unwrap_or_default(),
         ];
-        let reply = self.calls.call(Group::Complete, keys, args).await?;
+        let reply = self.calls.call(Group::Complete, keys, args, false).await?;
         let value = |i: usize| {
             reply
                 .get(i)
@@ -823,15 +902,38 @@ impl RedisPermits {
     }
 }
 
-/// Time from the local wall clock until `micros` since the epoch (zero if
-/// past). On one host this is Redis's own clock; across hosts it is as good
-/// as their clock sync, which the pacing margin absorbs.
-fn until_wall_clock(micros: i64) -> Duration {
-    let now = std::time::SystemTime::now()
+/// This pod's wall clock, microseconds since the epoch.
+fn wall_clock_micros() -> i64 {
+    std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_micros() as i64)
-        .unwrap_or(0);
-    Duration::from_micros((micros - now).max(0) as u64)
+        .unwrap_or(0)
+}
+
+/// When a decision was made, on both of the pod's clocks: the monotonic
+/// one for this store's own bookkeeping, the wall clock (the worker's) for
+/// the job.
+#[derive(Clone, Copy)]
+struct Made {
+    instant: Instant,
+    wall: UnixMillis,
+}
+
+impl Made {
+    /// Now, or on the wall clock `at` (a grant: when Redis made it).
+    fn now(at: Option<UnixMillis>) -> Self {
+        Self {
+            instant: Instant::now(),
+            wall: at.unwrap_or_else(|| UnixMillis(wall_clock_micros().div_euclid(1000))),
+        }
+    }
+
+    fn decided(self, decision: PermitDecision) -> Decided {
+        Decided {
+            decision,
+            made_at: self.wall,
+        }
+    }
 }
 
 fn micros(d: Duration) -> u64 {
@@ -841,38 +943,44 @@ fn micros(d: Duration) -> u64 {
 impl PermitStore for RedisPermits {
     type Error = QuotaError;
 
-    async fn acquire(&self, req: PermitRequest<'_>) -> Result<PermitDecision, QuotaError> {
+    async fn acquire(&self, req: PermitRequest<'_>) -> Result<Decided, QuotaError> {
         let key = (req.tenant.clone(), req.route.clone(), req.priority);
         let ttl = self.settings.denial_cache_ttl;
         let state = self.state(&key);
         if req.returning.is_some() {
-            let reply = self.decide(req, 1, None).await?;
+            let (reply, made_at) = self.decide_made(req, 1, None).await?;
+            let made = Made::now(made_at);
+            // The lock may be held by another job of the tenant across its
+            // own round trip: the decision counts from its reply, not from
+            // when the lock came free.
             let mut local = state.local.lock().await;
-            let decision = local.learn(reply, Instant::now(), ttl, false);
+            let decision = local.learn(reply, made.instant, ttl, false);
             self.tidy(&key, &local);
-            return Ok(decision);
+            return Ok(made.decided(decision));
         }
         state.queued.fetch_add(1, Ordering::Relaxed);
         let mut local = state.local.lock().await;
         let behind = state.queued.fetch_sub(1, Ordering::Relaxed) - 1;
-        let now = Instant::now();
-        if let Some(decision) = local.take(now) {
-            return Ok(decision);
+        let made = Made::now(None);
+        if let Some(decision) = local.take(made.instant) {
+            return Ok(made.decided(decision));
         }
-        if local.waiting(now) {
+        if local.waiting(made.instant) {
             // Single file while the tenant waits: the lock is held across
             // the call, and the block is sized to the requests queued
             // behind, which take the rest of it without a round trip.
             let slots = (1 + behind).min(self.settings.denial_block);
-            let reply = self.decide(req, slots, None).await?;
-            return Ok(local.learn(reply, Instant::now(), ttl, true));
+            let (reply, made_at) = self.decide_made(req, slots, None).await?;
+            let made = Made::now(made_at);
+            return Ok(made.decided(local.learn(reply, made.instant, ttl, true)));
         }
         drop(local);
-        let reply = self.decide(req, 1, None).await?;
+        let (reply, made_at) = self.decide_made(req, 1, None).await?;
+        let made = Made::now(made_at);
         let mut local = state.local.lock().await;
-        let decision = local.learn(reply, Instant::now(), ttl, true);
+        let decision = local.learn(reply, made.instant, ttl, true);
         self.tidy(&key, &local);
-        Ok(decision)
+        Ok(made.decided(decision))
     }
 
     async fn ping(&self) -> Result<(), QuotaError> {

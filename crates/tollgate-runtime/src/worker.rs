@@ -26,7 +26,7 @@ use tollgate_amqp::{Broker, ConsumerControl, Nodes, Topology};
 use tollgate_core::job::{Limits, decode};
 use tollgate_core::outcome::classify;
 use tollgate_core::ports::{
-    Learned, Penalty, PermitRequest, PermitStore, PermitUse, Provider, ProviderCall,
+    Decided, Learned, Penalty, PermitRequest, PermitStore, PermitUse, Provider, ProviderCall,
 };
 use tollgate_core::{
     Action, Clock, Completion, DeadReason, Job, JobRun, Lane, Malformed, ParkReason,
@@ -865,20 +865,29 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
                     // anyway), else be given a place in line and park.
                     request.reserve_within =
                         (!self.holds.has_room(&job.tenant)).then(|| self.policy.tiers.shortest());
-                    let decision = match self.permits.acquire(request).await {
-                        Ok(decision) => {
+                    let decided = match self.permits.acquire(request).await {
+                        Ok(decided) => {
                             self.redis_health.up();
-                            decision
+                            decided
                         }
                         Err(e) => {
                             // Fail closed: no provider call without a permit.
                             self.redis_health.down(&e.to_string());
-                            PermitDecision::Unavailable
+                            Decided {
+                                decision: PermitDecision::Unavailable,
+                                made_at: self.clock.now(),
+                            }
                         }
                     };
-                    self.metrics.permit(tenant, &decision);
+                    self.metrics.permit(tenant, &decided.decision);
                     now = self.clock.now();
-                    run.on_permit(&self.policy, decision, now, rand::random())
+                    run.on_permit(
+                        &self.policy,
+                        decided.decision,
+                        decided.made_at,
+                        now,
+                        rand::random(),
+                    )
                 }
                 Action::CallProvider => {
                     let scope = self.provider.throttle_scope(job);

@@ -366,7 +366,7 @@ async fn many_tenants(base: &Config, setting: Setting) -> anyhow::Result<Vec<Fig
     for tenant in &names {
         rig.set_quota(tenant, "2/s", 1).await?;
     }
-    spawn_workers(&mut rig, setting, WORKERS).await?;
+    let ports = spawn_workers(&mut rig, setting, WORKERS).await?;
     let started = Instant::now();
     for tenant in &names {
         rig.publish(tenant, JOBS, None, "{}").await?;
@@ -376,6 +376,12 @@ async fn many_tenants(base: &Config, setting: Setting) -> anyhow::Result<Vec<Fig
     let _ = rig.until_accepted(total, LIMIT).await;
     let drain = started.elapsed();
     let received = rig.provider.received();
+    let mut late = 0.0;
+    for port in &ports {
+        late += scrape(*port, "tollgate_late_permits_total{")
+            .await
+            .unwrap_or(0.0);
+    }
     rig.cleanup().await?;
     let sent = received.iter().filter(|r| r.status == 200).count();
     let worst = names
@@ -402,6 +408,11 @@ async fn many_tenants(base: &Config, setting: Setting) -> anyhow::Result<Vec<Fig
             vec![worst as f64],
         )
         .target("<= 2"),
+        Figure::new(
+            "many tenants: permits read past their leeway (let go, asked again)",
+            "permits",
+            vec![late],
+        ),
     ])
 }
 
