@@ -604,6 +604,13 @@ mod tests {
         leeway: Duration::from_millis(10),
     };
 
+    /// A permit reserved 80 ms ahead, usable up to 10 ms late.
+    const RESERVED_80MS: PermitDecision = PermitDecision::Granted {
+        delay: Duration::from_millis(80),
+        shadow: Shadow::None,
+        leeway: Duration::from_millis(10),
+    };
+
     fn policy() -> Policy {
         Policy {
             hold_max: Duration::from_secs(1),
@@ -713,17 +720,7 @@ mod tests {
         let p = policy();
         let mut run = JobRun::new(&job(""), Progress::default(), T0);
         run.next(&p, T0);
-        let a = run.on_permit(
-            &p,
-            PermitDecision::Granted {
-                delay: Duration::from_millis(80),
-                shadow: Shadow::None,
-                leeway: Duration::from_millis(10),
-            },
-            T0,
-            T0,
-            0.5,
-        );
+        let a = run.on_permit(&p, RESERVED_80MS, T0, T0, 0.5);
         assert_eq!(
             a,
             Action::AwaitSlot { until: at(80) },
@@ -742,11 +739,7 @@ mod tests {
         let p = policy();
         let mut run = JobRun::new(&job(""), Progress::default(), T0);
         run.next(&p, T0);
-        let reserved = PermitDecision::Granted {
-            delay: Duration::from_millis(80),
-            shadow: Shadow::None,
-            leeway: Duration::from_millis(10),
-        };
+        let reserved = RESERVED_80MS;
         assert_eq!(
             run.on_permit(&p, reserved, T0, T0, 0.5),
             Action::AwaitSlot { until: at(80) }
@@ -766,11 +759,7 @@ mod tests {
     #[test]
     fn a_permit_read_late_keeps_the_slot_the_store_chose() {
         let p = policy();
-        let reserved = PermitDecision::Granted {
-            delay: Duration::from_millis(80),
-            shadow: Shadow::None,
-            leeway: Duration::from_millis(10),
-        };
+        let reserved = RESERVED_80MS;
         // Made at T0, read 30 ms later: the slot is still T0 + 80 ms.
         let mut run = JobRun::new(&job(""), Progress::default(), T0);
         run.next(&p, T0);

@@ -516,15 +516,14 @@ async fn call_in_batches(
                 invocation.arg(arg);
             }
         }
-        let mut sent = wall_clock_micros();
+        // Taking a connection counts in the round trip: it only loosens the
+        // bound on the clocks' offset, and the quickest round trip wins.
+        let sent = wall_clock_micros();
         let replies = match redis.conn().await {
-            Ok(mut conn) => {
-                sent = wall_clock_micros();
-                invocation
-                    .invoke_async::<Vec<Vec<i64>>>(&mut conn)
-                    .await
-                    .map_err(|e| redis.classify(e))
-            }
+            Ok(mut conn) => invocation
+                .invoke_async::<Vec<Vec<i64>>>(&mut conn)
+                .await
+                .map_err(|e| redis.classify(e)),
             Err(e) => Err(e),
         };
         if let Ok(replies) = &replies {
@@ -691,16 +690,31 @@ impl RedisPermits {
             )
             .await?;
         let at = |i: usize| Duration::from_micros(reply.get(i).copied().unwrap_or(0).max(0) as u64);
-        let mut decision = match reply.first().copied() {
-            Some(0) => PermitDecision::Granted {
-                delay: at(1),
-                shadow: match reply.get(2) {
+        let decision = match reply.first().copied() {
+            Some(0) => {
+                let shadow = match reply.get(2) {
                     Some(1) => Shadow::Allow,
                     Some(2) => Shadow::Deny,
                     _ => Shadow::None,
-                },
-                leeway: at(4),
-            },
+                };
+                // The send time Redis chose, on this pod's clock: counted from
+                // when the reply was read instead, a send went out as late as
+                // the reply had waited (in Redis's socket, or for the pod's
+                // runtime). With a `now` override there is no clock to map.
+                let (delay, made) = match (now_micros, reply.get(3)) {
+                    (None, Some(&send)) => {
+                        let (delay, made) = self.on_pod_clock(send, at(1));
+                        (delay, Some(made))
+                    }
+                    _ => (at(1), None),
+                };
+                let granted = PermitDecision::Granted {
+                    delay,
+                    shadow,
+                    leeway: at(4),
+                };
+                return Ok((Reply::Decision(granted), made));
+            }
             Some(1) => {
                 return Ok((
                     Reply::Denied {
@@ -728,35 +742,20 @@ impl RedisPermits {
             Some(6) => PermitDecision::AtConcurrency { retry_in: at(1) },
             _ => return Err(QuotaError::BadReply(format!("{reply:?}"))),
         };
-        // The send time Redis chose, on this pod's clock: counted from when
-        // the reply was read instead, a send went out as late as the reply
-        // had waited (in Redis's socket, or for the pod's runtime).
-        let made = match (decision, now_micros, reply.get(3)) {
-            (
-                PermitDecision::Granted {
-                    delay,
-                    shadow,
-                    leeway,
-                },
-                None,
-                Some(&send),
-            ) => {
-                let offset = self.calls.clock_offset().unwrap_or(0);
-                let send = send - offset;
-                let made = send - delay.as_micros() as i64;
-                // Whole ms on the pod's clock, the slot rounded up: never early.
-                let made_ms = made.div_euclid(1000);
-                let slot_ms = (send + 999).div_euclid(1000);
-                decision = PermitDecision::Granted {
-                    delay: Duration::from_millis((slot_ms - made_ms).max(0) as u64),
-                    shadow,
-                    leeway,
-                };
-                Some(UnixMillis(made_ms))
-            }
-            _ => None,
-        };
-        Ok((Reply::Decision(decision), made))
+        Ok((Reply::Decision(decision), None))
+    }
+
+    /// A grant's send time (Redis's clock, microseconds) and its `delay`,
+    /// as when Redis made it and the delay from then on this pod's clock:
+    /// whole ms, the slot rounded up so it is never early.
+    fn on_pod_clock(&self, send: i64, delay: Duration) -> (Duration, UnixMillis) {
+        let send = send - self.calls.clock_offset().unwrap_or(0);
+        let made_ms = (send - delay.as_micros() as i64).div_euclid(1000);
+        let slot_ms = (send + 999).div_euclid(1000);
+        (
+            Duration::from_millis((slot_ms - made_ms).max(0) as u64),
+            UnixMillis(made_ms),
+        )
     }
 
     /// One completion ([`PermitStore::complete`]), batched with the others

@@ -112,6 +112,16 @@ impl std::fmt::Display for Setting {
     }
 }
 
+/// A series summed over the workers' /metrics (a worker that does not
+/// answer counts 0).
+async fn scrape_sum(ports: &[u16], series: &str) -> f64 {
+    let mut sum = 0.0;
+    for port in ports {
+        sum += scrape(*port, series).await.unwrap_or(0.0);
+    }
+    sum
+}
+
 async fn spawn_workers(rig: &mut Rig, setting: Setting, n: usize) -> anyhow::Result<Vec<u16>> {
     let mut vars = vec![("TOLLGATE_CONCURRENCY", setting.concurrency.to_string())];
     if let Some(prefetch) = setting.prefetch {
@@ -149,10 +159,7 @@ async fn parks_drained(base: &Config, setting: Setting) -> anyhow::Result<Vec<Fi
     let ports = spawn_workers(&mut rig, setting, WORKERS).await?;
     rig.publish("noisy", JOBS as u32, None, "{}").await?;
     rig.until_accepted(JOBS, Duration::from_secs(60)).await?;
-    let mut parks = 0.0;
-    for port in &ports {
-        parks += scrape(*port, "tollgate_parked_total{").await.unwrap_or(0.0);
-    }
+    let parks = scrape_sum(&ports, "tollgate_parked_total{").await;
     rig.cleanup().await?;
     Ok(vec![
         Figure::new(
@@ -196,10 +203,7 @@ async fn noisy_neighbour(base: &Config, setting: Setting) -> anyhow::Result<Vec<
     }
     tokio::time::sleep(Duration::from_secs(2)).await;
     let received = rig.provider.received();
-    let mut parks = 0.0;
-    for port in &ports {
-        parks += scrape(*port, "tollgate_parked_total{").await.unwrap_or(0.0);
-    }
+    let parks = scrape_sum(&ports, "tollgate_parked_total{").await;
     rig.cleanup().await?;
 
     let noisy: Vec<&Received> = received.iter().filter(|r| r.tenant == "noisy").collect();
@@ -376,12 +380,7 @@ async fn many_tenants(base: &Config, setting: Setting) -> anyhow::Result<Vec<Fig
     let _ = rig.until_accepted(total, LIMIT).await;
     let drain = started.elapsed();
     let received = rig.provider.received();
-    let mut late = 0.0;
-    for port in &ports {
-        late += scrape(*port, "tollgate_late_permits_total{")
-            .await
-            .unwrap_or(0.0);
-    }
+    let late = scrape_sum(&ports, "tollgate_late_permits_total{").await;
     rig.cleanup().await?;
     let sent = received.iter().filter(|r| r.status == 200).count();
     let worst = names
