@@ -745,6 +745,61 @@ fn a_place_from_the_share_line_is_not_respaced_as_the_tenants() {
     });
 }
 
+/// A job back from a hop, its place still seconds away, keeps that place
+/// even when its tenant's bucket has a slot free now, and even a second
+/// after the quota was set: the free slot is another job's place. Only a
+/// place given at another spacing than the quota's now (the quota changed
+/// since) gives way to the free slot, which is how a parked backlog picks
+/// up a raised rate.
+#[test]
+fn a_job_back_from_a_hop_keeps_its_place_right_after_the_quota_was_set() {
+    runtime().block_on(async {
+        let (permits, quotas) = stores(Quota::new("1000/s".parse().unwrap(), 1).unwrap());
+        let tenant = TenantId::parse("paced").unwrap();
+        let change = tollgate_quota::Change::SetQuota {
+            quota: Quota::new("10/s".parse().unwrap(), 1).unwrap(),
+            concurrency: None,
+            weight: None,
+            adaptive: None,
+        };
+        let target = tollgate_quota::Target::Tenant(tenant.clone());
+        quotas.apply(&target, change, &test_actor()).await.unwrap();
+        let set_at = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_micros() as u64;
+        let now = set_at + 1_000_000;
+        let route = Kind::parse("email").unwrap();
+        let ids: Vec<JobId> = (0..2)
+            .map(|i| JobId::parse(format!("j{i}")).unwrap())
+            .collect();
+        let keys: Vec<IdempotencyKey> = ids.iter().map(IdempotencyKey::from).collect();
+        // 10/s with no pacing margin: places 100 ms apart; one at 200 ms.
+        let back = |i: usize, interval_ms: u64| PermitRequest {
+            returning: Some(tollgate_core::ports::Returning {
+                remaining: Duration::from_secs(3),
+                interval: Some(Duration::from_millis(interval_ms)),
+                share_place: None,
+            }),
+            ..request(&tenant, &route, &ids[i], &keys[i])
+        };
+        match permits.decide(back(0, 100), 1, Some(now)).await.unwrap() {
+            Reply::Denied { retry_in, .. } => assert!(
+                retry_in >= Duration::from_millis(2_500),
+                "a place 3 s away, given at the quota's spacing: told to come back in {retry_in:?}"
+            ),
+            other => panic!("a place 3 s away taken now: {other:?}"),
+        }
+        match permits.decide(back(1, 200), 1, Some(now)).await.unwrap() {
+            Reply::Decision(PermitDecision::Granted { delay, .. }) => {
+                assert_eq!(delay, Duration::ZERO)
+            }
+            other => panic!("a place given at another spacing kept: {other:?}"),
+        }
+        quotas.purge_prefix().await.unwrap();
+    });
+}
+
 /// A tenant with a few jobs on a route shared with a tenant whose backlog
 /// fills it for about ten seconds is not queued behind that backlog: each of
 /// its jobs goes out among the next few of the other's sends.

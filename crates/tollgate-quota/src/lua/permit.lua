@@ -77,12 +77,6 @@
 -- (a timer, a batched round trip) before its slot.
 local ROUTE_LEAD_US = 25000
 
--- For this long after a tenant's quota changed, a job back from a hop takes
--- a free slot whatever its place (below): places are being re-spaced, and a
--- parked backlog picks up a raised rate by taking them (every copy asks
--- again within a hop of at most 5 s).
-local RESPACED_US = 10000000
-
 -- One decision; KEYS and ARGV here are the job's group of the call's.
 local function permit(KEYS, ARGV)
   local tenant_quota_key = KEYS[1]
@@ -420,18 +414,19 @@ local function permit(KEYS, ARGV)
     -- by a herd of hops, were most of the slots a backlog missed. A job
     -- still takes a free slot as before when it is back for its place
     -- (after a lowered rate re-spaced the places, those slots are the only
-    -- ones anyone takes), when the quota changed since its place was given
-    -- or in the last RESPACED_US (after a raise, that is how a parked
-    -- backlog picks up the new rate within a hop), and for an adaptive
-    -- quota, whose spacing moves with every probe: its places are
-    -- re-spaced around the last move only, and the free slots that leaves
-    -- are filled by whoever asks (measured: a backlog at 0.82 of the
-    -- provider's limit when they were not, 0.92 when they were).
+    -- ones anyone takes), when its place was given at another spacing than
+    -- the quota's now (after a raise, that is how a parked backlog picks up
+    -- the new rate within a hop), and for an adaptive quota, whose spacing
+    -- moves with every probe: its places are re-spaced around the last move
+    -- only, and the free slots that leaves are filled by whoever asks
+    -- (measured: a backlog at 0.82 of the provider's limit when they were
+    -- not, 0.92 when they were). A place given at today's spacing is kept
+    -- however recently the quota changed: a quota set just before its
+    -- backlog arrived used to leave every place free for 10 s to whoever
+    -- came back first, and the jobs back late for theirs left gaps.
     local carried = tonumber(returning_interval_us)
-    local changed_ms = tonumber(q[1]) and tonumber(q[9]) or tonumber(default_changed_ms)
     local far = remaining and remaining > horizon and not tonumber(returning_share_place)
       and q[11] ~= '1' and carried and math.abs(carried - tenant[1]) <= 0.5
-      and (not changed_ms or changed_ms * 1000 + RESPACED_US <= now)
     if far or delay > reserve or route_delay > reserve or tenant_line or share_ahead then
       -- Queue on whichever side is further out: the tenant's own lines, or its
       -- share line on the route (places there are send times, from when the
