@@ -611,6 +611,16 @@ mod tests {
         leeway: Duration::from_millis(10),
     };
 
+    /// A fresh place in line, `retry_in` away, given at `interval`.
+    fn place(retry_in: Duration, interval: Option<Duration>) -> PermitDecision {
+        PermitDecision::Denied {
+            retry_in,
+            interval,
+            kept: false,
+            share_place: None,
+        }
+    }
+
     fn policy() -> Policy {
         Policy {
             hold_max: Duration::from_secs(1),
@@ -783,12 +793,7 @@ mod tests {
         let p = policy();
         let mut run = JobRun::new(&job(""), Progress::default(), T0);
         run.next(&p, T0);
-        let denied = PermitDecision::Denied {
-            retry_in: Duration::from_millis(400),
-            interval: None,
-            kept: false,
-            share_place: None,
-        };
+        let denied = place(Duration::from_millis(400), None);
         assert_eq!(
             run.on_permit(&p, denied, T0, at(30), 0.5),
             Action::Hold {
@@ -804,18 +809,7 @@ mod tests {
         let p = policy();
         let mut run = JobRun::new(&job(""), Progress::default(), T0);
         run.next(&p, T0);
-        let a = run.on_permit(
-            &p,
-            PermitDecision::Denied {
-                retry_in: Duration::from_millis(7_500),
-                interval: None,
-                kept: false,
-                share_place: None,
-            },
-            T0,
-            T0,
-            0.5,
-        );
+        let a = run.on_permit(&p, place(Duration::from_millis(7_500), None), T0, T0, 0.5);
         assert_eq!(
             a,
             Action::Park {
@@ -869,11 +863,11 @@ mod tests {
     #[test]
     fn a_quota_waits_last_hop_leaves_half_of_hold_max_to_hold() {
         let p = policy();
-        let denied = |retry_in_ms| PermitDecision::Denied {
-            retry_in: Duration::from_millis(retry_in_ms),
-            interval: Some(Duration::from_millis(125)),
-            kept: false,
-            share_place: None,
+        let denied = |retry_in_ms| {
+            place(
+                Duration::from_millis(retry_in_ms),
+                Some(Duration::from_millis(125)),
+            )
         };
         let first = |retry_in_ms| {
             let mut run = JobRun::new(&job(""), Progress::default(), T0);
@@ -906,12 +900,7 @@ mod tests {
         let p = policy();
         let mut run = JobRun::new(&job(""), Progress::default(), T0);
         run.next(&p, T0);
-        let denied = PermitDecision::Denied {
-            retry_in: Duration::from_secs(40),
-            interval: Some(Duration::from_millis(200)),
-            kept: false,
-            share_place: None,
-        };
+        let denied = place(Duration::from_secs(40), Some(Duration::from_millis(200)));
         // 40 s to wait: the first hop is at most half of it (the 5 s tier
         // of 1, 5, 30, 120 s …).
         assert!(matches!(
@@ -1238,18 +1227,7 @@ mod tests {
         let extra = format!(r#","expires_at":"{}""#, at(500).to_rfc3339());
         let mut run = JobRun::new(&job(&extra), Progress::default(), T0);
         assert_eq!(run.next(&p, T0), Action::CheckEligibility);
-        run.on_permit(
-            &p,
-            PermitDecision::Denied {
-                retry_in: Duration::from_millis(800),
-                interval: None,
-                kept: false,
-                share_place: None,
-            },
-            T0,
-            T0,
-            0.5,
-        );
+        run.on_permit(&p, place(Duration::from_millis(800), None), T0, T0, 0.5);
         assert!(matches!(
             run.next(&p, at(800)),
             Action::DeadLetter {
