@@ -9,6 +9,9 @@
 //!   trips per job, jobs per CPU-second, peak RSS holding a full prefetch.
 //! - `permits`: the permit script vs a trivial `EVALSHA`; round trips per
 //!   decision.
+//! - `redis_cost`: instructions Redis executes for a permit decision and a
+//!   completion (a private `redis-server` under callgrind; skipped without
+//!   valgrind).
 //! - `pacing`: 8 worker processes on one 20/s quota against a strict
 //!   provider (adherence, utilization); seconds from `quota set` to the
 //!   fleet obeying a lowered and a raised quota.
@@ -35,6 +38,7 @@ mod pacing;
 mod peer;
 mod permits;
 mod pipeline;
+mod redis_cost;
 mod rig;
 mod sweep;
 mod throughput;
@@ -214,6 +218,9 @@ pub async fn run(base: &Config, args: &BenchArgs) -> anyhow::Result<()> {
                 .await
                 .context("permit-path scenario")?,
         );
+    }
+    if wanted("redis_cost") {
+        scenarios.extend(redis_cost::run(base).await.context("redis-cost scenario")?);
     }
     if wanted("pacing") {
         scenarios.extend(pacing::run(base).await.context("pacing scenarios")?);
