@@ -111,6 +111,14 @@ async fn throttle(permits: &RedisPermits, job: &Job, scope: ThrottleScope, now: 
         .unwrap()
 }
 
+/// `job`'s call accepted at `now`: what was learned.
+async fn sent(permits: &RedisPermits, job: &Job, now: u64) -> Learned {
+    permits
+        .record(job.request(), PermitUse::Sent, None, None, Some(now))
+        .await
+        .unwrap()
+}
+
 /// Events: (a 429?, µs since the previous one). Long enough runs to reach
 /// a settled rate's next probe and its trial's windows, and a climb resumed
 /// after a failed later step.
@@ -390,5 +398,67 @@ async fn adjustments_are_audited_at_most_every_ten_seconds() {
         );
         assert!(e.new.effective.unwrap() < e.old.effective.unwrap());
     }
+    store.purge_prefix().await.unwrap();
+}
+
+/// A completion learns for the quota its permit found adaptive: the permit
+/// marks the lease with what the completion must do, so a completion
+/// skips the reads for a quota that does not adapt. A quota made adaptive
+/// between the two is learned from the next job on; one made fixed
+/// between them is read and found fixed.
+#[tokio::test]
+async fn a_completion_learns_for_the_quota_its_permit_found_adaptive() {
+    let (permits, store) = stores();
+    let route = Kind::default_kind();
+    let target = Target::Tenant(TenantId::parse("acme").unwrap());
+    let quota = Quota::parse("20/s", 1).unwrap();
+    let fixed = || Change::SetQuota {
+        quota,
+        concurrency: None,
+        weight: None,
+        adaptive: None,
+    };
+    let adaptive = || Adaptive::new(quota.rate, None, None, None, None).unwrap();
+    let granted = |reply: Reply| matches!(reply, Reply::Decision(PermitDecision::Granted { .. }));
+
+    store.apply(&target, fixed(), &actor()).await.unwrap();
+    let before = Job::new("acme", &route, 1);
+    assert!(granted(
+        permits.decide(before.request(), 1, Some(T0)).await.unwrap()
+    ));
+    set_adaptive(&store, &target, "20/s", adaptive()).await;
+    let learned = sent(&permits, &before, T0 + 1_000).await;
+    assert_eq!(
+        learned,
+        Learned {
+            tenant: None,
+            route: None
+        },
+        "permitted while fixed"
+    );
+
+    let after = Job::new("acme", &route, 2);
+    assert!(granted(
+        permits
+            .decide(after.request(), 1, Some(T0 + 100_000))
+            .await
+            .unwrap()
+    ));
+    let learned = sent(&permits, &after, T0 + 101_000).await;
+    assert_eq!(learned.tenant, Some(20.0), "permitted while adaptive");
+
+    let last = Job::new("acme", &route, 3);
+    assert!(granted(
+        permits
+            .decide(last.request(), 1, Some(T0 + 200_000))
+            .await
+            .unwrap()
+    ));
+    store.apply(&target, fixed(), &actor()).await.unwrap();
+    let learned = sent(&permits, &last, T0 + 201_000).await;
+    assert_eq!(
+        learned.tenant, None,
+        "permitted while adaptive, made fixed since"
+    );
     store.purge_prefix().await.unwrap();
 }

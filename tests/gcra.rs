@@ -1005,3 +1005,63 @@ fn a_reserved_send_never_holds_another_tenant_back_on_a_free_route() {
         "the backlog of {backlog} at 10/s took {last} µs: {of_noisy:?}"
     );
 }
+
+/// A completion frees its call's place under the tenant's concurrency
+/// limit at once (the permit marks the lease with having taken one), and a
+/// tenant without a limit never enters the in-flight set.
+#[test]
+fn a_completion_frees_its_place_under_the_concurrency_limit() {
+    runtime().block_on(async {
+        let (permits, quotas) = stores(Quota::new("1000/s".parse().unwrap(), 10).unwrap());
+        let tenant = TenantId::parse("single").unwrap();
+        let set = |concurrency| tollgate_quota::Change::SetQuota {
+            quota: Quota::new("1000/s".parse().unwrap(), 10).unwrap(),
+            concurrency,
+            weight: None,
+            adaptive: None,
+        };
+        let target = tollgate_quota::Target::Tenant(tenant.clone());
+        quotas
+            .apply(&target, set(Some(1)), &test_actor())
+            .await
+            .unwrap();
+        let route = Kind::default_kind();
+        let ids: Vec<JobId> = (0..3)
+            .map(|i| JobId::parse(format!("j{i}")).unwrap())
+            .collect();
+        let keys: Vec<IdempotencyKey> = ids.iter().map(IdempotencyKey::from).collect();
+        let req = |i: usize| request(&tenant, &route, &ids[i], &keys[i]);
+        let decide = |i: usize| decision_at(&permits, req(i), T0);
+        assert!(matches!(decide(0).await, PermitDecision::Granted { .. }));
+        assert!(
+            matches!(decide(1).await, PermitDecision::AtConcurrency { .. }),
+            "one call in flight of one allowed"
+        );
+        permits
+            .record(req(0), PermitUse::Sent, None, None, Some(T0))
+            .await
+            .unwrap();
+        assert!(
+            matches!(decide(1).await, PermitDecision::Granted { .. }),
+            "the first call's completion freed its place"
+        );
+        assert!(matches!(
+            decide(2).await,
+            PermitDecision::AtConcurrency { .. }
+        ));
+        permits
+            .record(req(1), PermitUse::CallFailed, None, None, Some(T0))
+            .await
+            .unwrap();
+        assert!(matches!(decide(2).await, PermitDecision::Granted { .. }));
+        quotas.purge_prefix().await.unwrap();
+    });
+}
+
+/// A decision at `now` (µs).
+async fn decision_at(permits: &RedisPermits, req: PermitRequest<'_>, now: u64) -> PermitDecision {
+    match permits.decide(req, 1, Some(now)).await.unwrap() {
+        Reply::Decision(decision) => decision,
+        other => panic!("{other:?}"),
+    }
+}

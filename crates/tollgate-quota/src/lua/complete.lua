@@ -82,10 +82,16 @@ local function complete(k, a)
   if a[2] == '1' then
     redis.call('SET', k[1], a[4], 'PX', a[3])
   end
-  if redis.call('GET', k[2]) == a[1] then
+  -- What this attempt's permit did (`lease_parts`); nil: not known (its
+  -- lease expired or went to another attempt), so everything is done.
+  local holder, marks = lease_parts(redis.call('GET', k[2]))
+  if holder == a[1] then
     redis.call('DEL', k[2])
+  else
+    marks = nil
   end
-  redis.call('ZREM', k[3], a[1])
+  local function did(mark) return not marks or string.find(marks, mark, 1, true) ~= nil end
+  if did('c') then redis.call('ZREM', k[3], a[1]) end
 
   local penalty = tonumber(a[5])
   if penalty > 0 then
@@ -102,15 +108,15 @@ local function complete(k, a)
   -- Each learns (rate, audit old, audit new, audit at); see `adapt_learn`.
   local t, r = {-1}, {-1}
   if penalty > 0 then
-    if a[7] ~= 'route' then
+    if a[7] ~= 'route' and did('t') then
       t = {adapt_learn(k[6], k[7], 'throttled', a[6])}
     end
-    if t[1] < 0 then
+    if t[1] < 0 and did('r') then
       r = {adapt_learn(k[8], k[9], 'throttled', a[6])}
     end
   elseif a[2] == '1' then
-    t = {adapt_learn(k[6], k[7], 'sent', a[6])}
-    r = {adapt_learn(k[8], k[9], 'sent', a[6])}
+    if did('t') then t = {adapt_learn(k[6], k[7], 'sent', a[6])} end
+    if did('r') then r = {adapt_learn(k[8], k[9], 'sent', a[6])} end
   end
   local began = 0
   if a[2] ~= '' then

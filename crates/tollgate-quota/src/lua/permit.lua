@@ -129,20 +129,25 @@ local function permit(KEYS, ARGV)
   local come_back, share_come_back = reserve, reserve
   local pacing = tonumber(pacing_factor)
 
-  if redis.call('EXISTS', sent_key) == 1 then return {2} end
-  -- A cancellation waits (up to cancel_ttl) for its job; once the job is seen it
-  -- is kept as long as a sent record, so other copies are skipped too.
-  local cancelled = false
-  for _, key in ipairs({cancelled_id_key, cancelled_idempotency_key}) do
-    if redis.call('EXISTS', key) == 1 then
-      cancelled = true
+  -- The common case, nothing sent and nothing cancelled, in one call.
+  if redis.call('EXISTS', sent_key, cancelled_id_key, cancelled_idempotency_key) > 0 then
+    if redis.call('EXISTS', sent_key) == 1 then return {2} end
+    -- A cancellation waits (up to cancel_ttl) for its job; once the job is
+    -- seen it is kept as long as a sent record, so other copies are skipped
+    -- too.
+    for _, key in ipairs({cancelled_id_key, cancelled_idempotency_key}) do
       local ttl = redis.call('PTTL', key)
-      if ttl < 0 or ttl > tonumber(seen_cancel_ttl_ms) then redis.call('PEXPIRE', key, seen_cancel_ttl_ms) end
+      if ttl ~= -2 and (ttl < 0 or ttl > tonumber(seen_cancel_ttl_ms)) then
+        redis.call('PEXPIRE', key, seen_cancel_ttl_ms)
+      end
     end
+    return {5}
   end
-  if cancelled then return {5} end
 
-  local holder = redis.call('GET', lease_key)
+  -- Every plain value a decision may read, in one call: the lease, the
+  -- penalties, the buckets' TATs.
+  local held = redis.call('MGET', lease_key, tenant_penalty_key, route_penalty_key, tenant_tat_key, route_tat_key)
+  local holder = lease_parts(held[1])
   if holder and holder ~= lease_token then
     local ttl = redis.call('PTTL', lease_key)
     if ttl < 1 then ttl = 1 end
@@ -178,11 +183,11 @@ local function permit(KEYS, ARGV)
     return b[3] + (place - b[3]) * b[1] / old
   end
 
-  -- The bucket's TAT, clamped so a quota change applies at once (under a steady
+  -- The bucket's TAT (`raw`, as read), clamped so a quota change applies at once (under a steady
   -- quota it never exceeds the clamp).
   -- Also returns the TAT as stored (nil if none).
-  local function load_tat(tat_key, b)
-    local stored = tonumber(redis.call('GET', tat_key))
+  local function load_tat(raw, b)
+    local stored = tonumber(raw)
     local tat = stored or now
     if tat < now then tat = now end
     local cap = now + horizon + b[1] * b[2]
@@ -192,8 +197,7 @@ local function permit(KEYS, ARGV)
 
   -- A provider 429 (Retry-After) on the tenant, or on the whole route when its
   -- 429s are account-wide: no send before this instant, whatever the burst.
-  local penalty = math.max(tonumber(redis.call('GET', tenant_penalty_key)) or 0,
-                           tonumber(redis.call('GET', route_penalty_key)) or 0)
+  local penalty = math.max(tonumber(held[2]) or 0, tonumber(held[3]) or 0)
 
   -- Microseconds until the bucket (and the penalty) allow a send.
   local function delay_of(tat, b)
@@ -313,12 +317,12 @@ local function permit(KEYS, ARGV)
     return {math.ceil(clock.step * total), 1, changed, clock}
   end
 
-  local tenant_tat = load_tat(tenant_tat_key, tenant)
+  local tenant_tat = load_tat(held[4], tenant)
   local delay = delay_of(tenant_tat, tenant)
   local route_tat, route_delay, share, route_idle = 0, 0, nil, false
   if route then
     local stored
-    route_tat, stored = load_tat(route_tat_key, route)
+    route_tat, stored = load_tat(held[5], route)
     route_delay = delay_of(route_tat, route)
     share = route_share()
     -- A slot of the route went unused for a whole interval: whoever asks may
@@ -518,7 +522,11 @@ local function permit(KEYS, ARGV)
     end
 
     local lease_ms = tonumber(lease_ttl_ms) + math.ceil(delay / 1000)
-    redis.call('SET', lease_key, lease_token, 'PX', lease_ms)
+    local marks = ''
+    if concurrency and concurrency > 0 then marks = 'c' end
+    if q[11] == '1' then marks = marks .. 't' end
+    if r[5] == '1' then marks = marks .. 'r' end
+    redis.call('SET', lease_key, lease_token .. '/' .. marks, 'PX', lease_ms)
     if concurrency and concurrency > 0 then
       redis.call('ZADD', tenant_in_flight_key, string.format('%.0f', now + lease_ms * 1000), lease_token)
       redis.call('PEXPIRE', tenant_in_flight_key, lease_ms + 1000)
