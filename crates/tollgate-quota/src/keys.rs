@@ -58,21 +58,24 @@ impl Keys {
         self.tenant_key("tat", tenant)
     }
 
-    /// The tenant's virtual queue of denied jobs (next free virtual slot).
+    /// The tenant's virtual queue of denied jobs: a string, its next free
+    /// virtual slot and their spacing. (Named `line`, not the hash
+    /// `waiting` it was before, so pods of both kinds can run side by side
+    /// during an upgrade.)
     pub fn waiting(&self, tenant: &TenantId) -> String {
-        self.tenant_key("waiting", tenant)
+        self.tenant_key("line", tenant)
     }
 
     /// The tenant's line of denied high-priority jobs, served before
     /// [`Keys::waiting`].
     pub fn waiting_high(&self, tenant: &TenantId) -> String {
-        self.tenant_key("waiting-high", tenant)
+        self.tenant_key("line-high", tenant)
     }
 
     /// The tenant's line of denied low-priority jobs, served after
     /// [`Keys::waiting`].
     pub fn waiting_low(&self, tenant: &TenantId) -> String {
-        self.tenant_key("waiting-low", tenant)
+        self.tenant_key("line-low", tenant)
     }
 
     /// Set after a provider 429: no send before this instant.
@@ -134,9 +137,10 @@ impl Keys {
     }
 
     /// A tenant's line on the route: its share of the route's capacity
-    /// (in the route's slot).
+    /// (in the route's slot): a string, its next free place in the route's
+    /// virtual time.
     pub fn route_share(&self, route: &Kind, tenant: &TenantId) -> String {
-        format!("{}:{tenant}", self.route_key("share", route))
+        format!("{}:{tenant}", self.route_key("share-line", route))
     }
 
     /// Sorted set of the route's tenants with work (tenant → until when).

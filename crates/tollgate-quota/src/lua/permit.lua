@@ -13,7 +13,7 @@
 -- KEYS[1]  tenant_quota_key           hash: count period_ms burst concurrency paused shadow_count shadow_period_ms shadow_burst
 --                                     weight adaptive (and an adaptive quota's parameters, `adapt.lua`)
 -- KEYS[2]  tenant_tat_key             GCRA theoretical arrival time, microseconds of Redis time
--- KEYS[3]  tenant_waiting_key         hash: at = next free virtual slot, iv = its interval
+-- KEYS[3]  tenant_waiting_key         the tenant's line: '<at> <iv>', its next free virtual slot and their interval
 -- KEYS[4]  tenant_penalty_key         provider 429: no send before this (microseconds)
 -- KEYS[5]  tenant_in_flight_key       zset: lease token -> expiry (microseconds)
 -- KEYS[6]  shadow_tat_key             the shadow quota's TAT
@@ -23,10 +23,11 @@
 -- KEYS[10] cancelled_idempotency_key  cancellation by idempotency key
 -- KEYS[11] route_quota_key            hash: count period_ms burst
 -- KEYS[12] route_tat_key              the route's TAT
--- KEYS[13] route_share_key            this tenant's line on the route (its share of the route's capacity)
+-- KEYS[13] route_share_key            this tenant's line on the route (its share of the route's capacity):
+--                                     its next free place, in the route's virtual time
 -- KEYS[14] route_penalty_key          provider 429 on a route whose 429s are account-wide
--- KEYS[15] tenant_waiting_high_key    the tenant's line of waiting high-priority jobs
--- KEYS[16] tenant_waiting_low_key     the tenant's line of waiting low-priority jobs
+-- KEYS[15] tenant_waiting_high_key    the tenant's line of waiting high-priority jobs (as KEYS[3])
+-- KEYS[16] tenant_waiting_low_key     the tenant's line of waiting low-priority jobs (as KEYS[3])
 -- KEYS[17] route_active_key           zset: tenant with work on the route -> until when (microseconds)
 -- KEYS[18] route_weights_key          hash: 'w:<tenant>' -> weight counted, 'total' -> their sum, 'changed' -> when it last changed,
 --                                     'v' -> the route's virtual time then
@@ -144,9 +145,11 @@ local function permit(KEYS, ARGV)
     return {5}
   end
 
-  -- Every plain value a decision may read, in one call: the lease, the
-  -- penalties, the buckets' TATs.
-  local held = redis.call('MGET', lease_key, tenant_penalty_key, route_penalty_key, tenant_tat_key, route_tat_key)
+  -- Every value a decision may read but the quotas, in one call: the
+  -- lease, the penalties, the buckets' TATs, the lines (each a string, so
+  -- that one MGET reads them all).
+  local held = redis.call('MGET', lease_key, tenant_penalty_key, route_penalty_key, tenant_tat_key, route_tat_key,
+    tenant_waiting_high_key, tenant_waiting_key, tenant_waiting_low_key, route_share_key)
   local holder = lease_parts(held[1])
   if holder and holder ~= lease_token then
     local ttl = redis.call('PTTL', lease_key)
@@ -208,19 +211,21 @@ local function permit(KEYS, ARGV)
 
   -- The next free place of a line (re-spaced if the quota changed), or nil.
   -- A share of a route (a bucket with a clock, b[4]) keeps its line in the
-  -- route's virtual time. Each line is read from Redis once per decision.
+  -- route's virtual time. Each line is read once per decision (`held`).
+  local line_read = {[tenant_waiting_high_key] = held[6], [tenant_waiting_key] = held[7],
+    [tenant_waiting_low_key] = held[8], [route_share_key] = held[9]}
   local line_cache = {}
   local function line_at(waiting_key, b)
     local cached = line_cache[waiting_key]
     if cached ~= nil then return cached or nil end
-    local at
-    if b[4] then
-      local v = tonumber(redis.call('HGET', waiting_key, 'v'))
+    local read, at = line_read[waiting_key], nil
+    if read and b[4] then
+      local v = tonumber(read)
       if v then at = b[4].real(v) end
-    else
-      local v = redis.call('HMGET', waiting_key, 'at', 'iv')
-      at = tonumber(v[1])
-      if at then at = respace(at, tonumber(v[2]), b) end
+    elseif read then
+      local place, iv = string.match(read, '^(%S+) (%S+)$')
+      at = tonumber(place)
+      if at then at = respace(at, tonumber(iv), b) end
     end
     line_cache[waiting_key] = at or false
     return at
@@ -228,12 +233,12 @@ local function permit(KEYS, ARGV)
 
   -- Moves a line's next free place to `next_at`.
   local function push_line(waiting_key, next_at, b)
+    local ttl = math.max(math.ceil((next_at - now) / 1000) + 1000, 1)
     if b[4] then
-      redis.call('HSET', waiting_key, 'v', string.format('%.3f', b[4].virtual(next_at)))
+      redis.call('SET', waiting_key, string.format('%.3f', b[4].virtual(next_at)), 'PX', ttl)
     else
-      redis.call('HSET', waiting_key, 'at', string.format('%.0f', next_at), 'iv', string.format('%.3f', b[1]))
+      redis.call('SET', waiting_key, string.format('%.0f %.3f', next_at, b[1]), 'PX', ttl)
     end
-    redis.call('PEXPIRE', waiting_key, math.ceil((next_at - now) / 1000) + 1000)
     line_cache[waiting_key] = next_at
   end
 
