@@ -268,7 +268,7 @@ impl QuotaStore {
                 self.keys.waiting_high(t),
                 self.keys.waiting_low(t),
             ] {
-                pipe.cmd("HMGET").arg(line).arg("at").arg("iv");
+                pipe.cmd("GET").arg(line);
             }
         }
         let replies: Vec<Value> = pipe
@@ -292,9 +292,8 @@ impl QuotaStore {
             let mut queued = 0.0;
             let mut last = now_us;
             for _ in 0..3 {
-                let line: (Option<f64>, Option<f64>) =
-                    redis::from_redis_value(next()?).unwrap_or((None, None));
-                if let (Some(at), Some(iv)) = line
+                let line: Option<String> = redis::from_redis_value(next()?).unwrap_or(None);
+                if let Some((at, iv)) = line.as_deref().and_then(next_place)
                     && at > now_us
                     && iv > 0.0
                 {
@@ -317,6 +316,13 @@ impl QuotaStore {
         }
         Ok(out)
     }
+}
+
+/// A line's next free place and the spacing of its places (microseconds),
+/// as the permit script writes it: `"<at> <iv>"`.
+fn next_place(line: &str) -> Option<(f64, f64)> {
+    let (at, iv) = line.split_once(' ')?;
+    Some((at.parse().ok()?, iv.parse().ok()?))
 }
 
 #[cfg(test)]
@@ -463,5 +469,15 @@ mod tests {
     #[test]
     fn an_empty_ring_is_no_traffic() {
         assert_eq!(ring_sum(&[], "s", 1005.0, 10.0), 0.0);
+    }
+
+    #[test]
+    fn a_line_is_read_as_the_permit_script_writes_it() {
+        assert_eq!(
+            next_place("1796356847232914 102000.000"),
+            Some((1_796_356_847_232_914.0, 102_000.0))
+        );
+        assert_eq!(next_place("1796356847232914"), None);
+        assert_eq!(next_place("soon 100"), None);
     }
 }
