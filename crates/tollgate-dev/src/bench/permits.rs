@@ -108,26 +108,37 @@ async fn on_a_redis_cluster(base: &Config, args: &BenchArgs) -> anyhow::Result<V
     measured
 }
 
-async fn permit_script(base: &Config, window: Duration) -> anyhow::Result<(f64, f64)> {
+/// Permit and quota stores on a fresh random prefix of `base`'s Redis, with
+/// `tenant` given a quota that never holds it back (1,000,000/s).
+pub(super) async fn unlimited_tenant(
+    base: &Config,
+    tenant: &str,
+) -> anyhow::Result<(Arc<Redis>, RedisPermits, QuotaStore)> {
     let prefix = format!("bench-{}", &uuid::Uuid::new_v4().simple().to_string()[..8]);
     let config = Config {
         prefix: prefix.clone(),
         ..base.clone()
     };
     let redis = Arc::new(Redis::new(&config.redis_settings())?);
-    let permits = Arc::new(RedisPermits::new(
+    let permits = RedisPermits::new(
         Arc::clone(&redis),
         redis.keys(&prefix),
         config.permit_settings()?,
-    ));
+    );
     let store = QuotaStore::new(Arc::clone(&redis), redis.keys(&prefix));
     cli::set_tenant_quota(
         &store,
-        "bench",
+        tenant,
         Quota::new("1000000/s".parse()?, 1000)?,
         "bench",
     )
     .await?;
+    Ok((redis, permits, store))
+}
+
+async fn permit_script(base: &Config, window: Duration) -> anyhow::Result<(f64, f64)> {
+    let (redis, permits, store) = unlimited_tenant(base, "bench").await?;
+    let permits = Arc::new(permits);
     let trips_before = client_round_trips(&redis).await?;
     let count = Arc::new(AtomicU64::new(0));
     let deadline = Instant::now() + window;

@@ -7,15 +7,15 @@
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
 use serde_json::json;
 use tollgate_core::ports::{PermitRequest, PermitStore, PermitUse};
 use tollgate_core::{IdempotencyKey, JobId, Kind, Priority, Quota, TenantId};
-use tollgate_quota::{QuotaStore, Redis, RedisPermits, Script, redis_cmd};
+use tollgate_quota::{Script, redis_cmd};
 
+use super::permits::unlimited_tenant;
 use super::{Figure, Scenario, progress};
 use tollgate::cli;
 use tollgate::config::Config;
@@ -59,28 +59,13 @@ pub async fn run(base: &Config) -> anyhow::Result<Option<Scenario>> {
 }
 
 async fn measure(base: &Config, server: &Callgrind) -> anyhow::Result<[f64; 5]> {
-    let prefix = format!("cost-{}", &uuid::Uuid::new_v4().simple().to_string()[..8]);
     let config = Config {
-        prefix: prefix.clone(),
         redis_url: tollgate_core::SecretUrl::new(format!("redis://127.0.0.1:{}", server.port)),
         ..base.clone()
     };
-    let redis = Arc::new(Redis::new(&config.redis_settings())?);
-    let permits = RedisPermits::new(
-        Arc::clone(&redis),
-        redis.keys(&prefix),
-        config.permit_settings()?,
-    );
-    let store = QuotaStore::new(Arc::clone(&redis), redis.keys(&prefix));
+    let (redis, permits, store) = unlimited_tenant(&config, "acme").await?;
     let (tenant, paced) = (TenantId::parse("acme")?, TenantId::parse("paced")?);
     let route = Kind::default_kind();
-    cli::set_tenant_quota(
-        &store,
-        "acme",
-        Quota::new("1000000/s".parse()?, 1000)?,
-        "bench",
-    )
-    .await?;
     cli::set_tenant_quota(&store, "paced", Quota::new("1/s".parse()?, 1)?, "bench").await?;
 
     let ids: Vec<JobId> = (0..2 * CALLS)
