@@ -214,14 +214,24 @@ async fn the_binary_runs_a_worker_and_every_verb_works() {
             .all(|r| r.body == r#"{"to":"x"}"#)
     );
 
-    let metrics = http
-        .get(format!("{base}/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let scrape = || async {
+        http.get(format!("{base}/metrics"))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap()
+    };
+    // The provider counts a send before the worker has recorded it and let
+    // its delivery go.
+    wait_for(
+        "the last delivery let go",
+        Duration::from_secs(20),
+        || async { scrape().await.contains("tollgate_jobs_in_flight 0") },
+    )
+    .await;
+    let metrics = scrape().await;
     for line in [
         r#"tollgate_jobs_completed_total{outcome="sent",tenant="acme"} 21"#,
         r#"tollgate_provider_requests_total{outcome="sent",route="default",tenant="acme"} 21"#,
