@@ -283,7 +283,7 @@ async fn a_parked_copy_stays_in_its_tier_as_long_as_it_was_parked_for() {
         )
         .await
         .unwrap();
-    tollgate_amqp::ack(&delivery).await.unwrap();
+    tollgate_amqp::Acks::default().ack(&delivery).await.unwrap();
     let recheck = async || {
         let mut total = 0;
         for queue in topology.queues(ShardQueue::Recheck) {
@@ -302,5 +302,83 @@ async fn a_parked_copy_stays_in_its_tier_as_long_as_it_was_parked_for() {
         env.broker.queue_depth(&topology.tier(hour)).await.unwrap(),
         0
     );
+    env.cleanup().await;
+}
+
+/// Acks coalesced with `multiple` settle exactly what was asked: deliveries
+/// of several work queues on one channel, acked out of order, some handed
+/// back, one never settled. The one never settled returns to its queue when
+/// the channel closes (a `multiple` that covered it would have lost it),
+/// the ones handed back come again, and every other is gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn coalesced_acks_never_settle_a_delivery_still_in_work() {
+    use futures::StreamExt;
+
+    let env = TestEnv::new("http://127.0.0.1:9").await;
+    let tenants = ["acme", "globex", "initech", "umbrella", "hooli", "stark"];
+    for i in 0..48 {
+        let tenant = tenants[i % tenants.len()];
+        env.publish_raw(tenant, format!(r#"{{"n":{i}}}"#).as_bytes())
+            .await;
+    }
+    let mut consumption = env.broker.consume("acks-test", 64).await.unwrap();
+    let mut deliveries = Vec::new();
+    while deliveries.len() < 48 {
+        let next = tokio::time::timeout(Duration::from_secs(10), consumption.deliveries.next())
+            .await
+            .expect("all 48 delivered")
+            .expect("the consumer lives")
+            .unwrap();
+        deliveries.push(next);
+    }
+    let queues: HashSet<_> = deliveries.iter().map(|d| d.routing_key.clone()).collect();
+    assert!(queues.len() > 1, "the jobs reached several tenants");
+    deliveries.sort_by_key(|d| d.delivery_tag);
+    // The lowest tag stays in work; three in the middle are handed back.
+    let held = deliveries.remove(0);
+    let back: Vec<_> = deliveries.drain(4..7).collect();
+    let acks = consumption.acks.clone();
+    for d in &back {
+        acks.requeue(&d.acker, d.delivery_tag).await.unwrap();
+    }
+    // The rest acked all at once, highest tags first.
+    let acking = deliveries
+        .iter()
+        .rev()
+        .map(|d| acks.ack(d))
+        .collect::<Vec<_>>();
+    for acked in futures::future::join_all(acking).await {
+        acked.unwrap();
+    }
+    // The three handed back come again; acked now, they leave too.
+    for _ in 0..3 {
+        let again = tokio::time::timeout(Duration::from_secs(10), consumption.deliveries.next())
+            .await
+            .expect("a delivery handed back comes again")
+            .expect("the consumer lives")
+            .unwrap();
+        assert!(again.redelivered);
+        acks.ack(&again).await.unwrap();
+    }
+    consumption.control.close().await;
+    drop(consumption);
+    wait_for(
+        "the delivery never settled to return to its queue",
+        Duration::from_secs(10),
+        || async { env.pending().await == 1 },
+    )
+    .await;
+    let (_conn, channel) = env.raw_channel().await;
+    let mut left = Vec::new();
+    for queue in env.broker.topology().queues(ShardQueue::Work) {
+        while let Some(msg) = channel
+            .basic_get(queue.as_str().into(), BasicGetOptions::default())
+            .await
+            .unwrap()
+        {
+            left.push(msg.delivery.data.clone());
+        }
+    }
+    assert_eq!(left, vec![held.data.clone()], "only the one never settled");
     env.cleanup().await;
 }

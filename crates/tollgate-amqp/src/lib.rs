@@ -3,6 +3,7 @@
 //! publisher whose every publish is confirmed by the broker before the
 //! runtime acks the delivery it replaces (park, retry, dead letter).
 
+mod acks;
 pub mod headers;
 mod nodes;
 mod topology;
@@ -19,6 +20,7 @@ use lapin::types::{FieldTable, ShortString};
 use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProperties};
 use tollgate_core::{DeadReason, Job, Lane, Progress, SecretUrl, TenantId, UnixMillis};
 
+pub use acks::Acks;
 pub use lapin;
 pub use nodes::Nodes;
 pub use topology::{ShardQueue, Topology};
@@ -62,6 +64,8 @@ pub enum AmqpError {
         "RabbitMQ did not answer {0} within {REPLY_TIMEOUT:?}: treating the connection as lost"
     )]
     Timeout(&'static str),
+    #[error("acking: {0}")]
+    Ack(String),
     #[error("the channel can no longer {0} this delivery: the broker redelivers it")]
     Unsettleable(&'static str),
 }
@@ -83,29 +87,6 @@ async fn bounded<T>(
     tokio::time::timeout(REPLY_TIMEOUT, op)
         .await
         .map_err(|_| AmqpError::Timeout(what))?
-}
-
-/// Acks `delivery`, bounded by [`REPLY_TIMEOUT`].
-pub async fn ack(delivery: &Delivery) -> Result<(), AmqpError> {
-    let acked = bounded("an ack", async {
-        Ok(delivery.acker.ack(Default::default()).await?)
-    })
-    .await?;
-    acked.then_some(()).ok_or(AmqpError::Unsettleable("ack"))
-}
-
-/// Hands `delivery` back to its queue (a nack with requeue; its delivery
-/// count rises), bounded by [`REPLY_TIMEOUT`]. If the channel is gone the
-/// broker requeues it anyway.
-pub async fn requeue(acker: &lapin::Acker) -> Result<(), AmqpError> {
-    let options = BasicNackOptions {
-        requeue: true,
-        ..Default::default()
-    };
-    let nacked = bounded("a nack", async { Ok(acker.nack(options).await?) }).await?;
-    nacked
-        .then_some(())
-        .ok_or(AmqpError::Unsettleable("requeue"))
 }
 
 impl AmqpError {
@@ -482,6 +463,7 @@ impl Broker {
         }
         Ok(Consumption {
             deliveries: stream::select_all(consumers).boxed(),
+            acks: Acks::default(),
             control: ConsumerControl { channel, tags },
         })
     }
@@ -666,6 +648,8 @@ enum Sweep {
 /// until in-flight deliveries are acked.
 pub struct Consumption {
     pub deliveries: BoxStream<'static, Result<Delivery, lapin::Error>>,
+    /// Settles the deliveries (they share one channel).
+    pub acks: Acks,
     pub control: ConsumerControl,
 }
 

@@ -7,7 +7,7 @@
 //! reconnects with backoff and jitter, and `/readyz` says not ready meanwhile.
 //! Deliveries of a lost session are not acked: the broker hands them out
 //! again, and the idempotency record stops a second send.
-//! [`Worker::process_one`] is one whole step: one delivery to its settled
+//! [`Worker::settle`] is one whole step: one delivery to its settled
 //! outcome.
 
 use std::future::Future;
@@ -22,7 +22,7 @@ use tokio::sync::watch;
 use tokio::task::JoinSet;
 use tollgate_amqp::headers;
 use tollgate_amqp::lapin::message::Delivery;
-use tollgate_amqp::{Broker, ConsumerControl, Nodes, Topology};
+use tollgate_amqp::{Acks, Broker, ConsumerControl, Nodes, Topology};
 use tollgate_core::job::{Limits, decode};
 use tollgate_core::outcome::classify;
 use tollgate_core::ports::{
@@ -508,7 +508,8 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
                 next = consumption.deliveries.next() => match next {
                     Some(Ok(delivery)) => {
                         let (worker, broker) = (Arc::clone(self), Arc::clone(&broker));
-                        tasks.spawn(async move { worker.settle(&broker, delivery).await });
+                        let acks = consumption.acks.clone();
+                        tasks.spawn(async move { worker.settle(&broker, &acks, delivery).await });
                     }
                     Some(Err(e)) => break Some(e.to_string()),
                     None => break Some("the broker cancelled the consumer".to_owned()),
@@ -543,16 +544,16 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
         }
     }
 
-    /// Runs [`Worker::process_one`] guarded: a panic or an overrun hands the
+    /// Runs [`Worker::process`] guarded: a panic or an overrun hands the
     /// delivery back to its queue (its delivery count rises, so a message
     /// that keeps crashing workers ends in the DLQ as `poison`). An overrun
     /// while a provider call or a broker retry is under way is waited out:
     /// handing back a delivery whose call may have been accepted would send
     /// it twice, and a broker's refusal is not the job's fault.
-    async fn settle(&self, broker: &Broker, delivery: Delivery) -> Settled {
-        let acker = delivery.acker.clone();
+    async fn settle(&self, broker: &Broker, acks: &Acks, delivery: Delivery) -> Settled {
+        let (acker, tag) = (delivery.acker.clone(), delivery.delivery_tag);
         let shield = Shield::default();
-        let work = AssertUnwindSafe(self.process(broker, delivery, &shield)).catch_unwind();
+        let work = AssertUnwindSafe(self.process(broker, acks, delivery, &shield)).catch_unwind();
         tokio::pin!(work);
         let failure = tokio::select! {
             done = &mut work => match done {
@@ -572,7 +573,7 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
             }
         };
         error!(failure, "handing the delivery back to its queue");
-        if let Err(e) = tollgate_amqp::requeue(&acker).await {
+        if let Err(e) = acks.requeue(&acker, tag).await {
             warn!(error = %e, "requeue failed: the broker requeues it when the channel closes");
         }
         Settled::Requeued
@@ -580,17 +581,22 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
 
     /// Carries one delivery to a settled outcome and acks it (or hands it
     /// back when its successor could not be published).
-    pub async fn process_one(&self, broker: &Broker, delivery: Delivery) -> Settled {
-        self.process(broker, delivery, &Shield::default()).await
-    }
-
-    async fn process(&self, broker: &Broker, delivery: Delivery, shield: &Shield) -> Settled {
+    async fn process(
+        &self,
+        broker: &Broker,
+        acks: &Acks,
+        delivery: Delivery,
+        shield: &Shield,
+    ) -> Settled {
         let _in_flight = InFlight::new(&self.metrics);
         // Dropped only once the delivery is acked (or handed back).
         let mut commitment = Commitment::new(shield.clone());
         match self.handle(broker, &delivery, &mut commitment).await {
             Ok(settled) => {
-                if let Err(e) = tollgate_amqp::ack(&delivery).await {
+                // Once asked for, the ack may go out in a frame with others:
+                // an overrun must not hand the delivery back meanwhile.
+                let _acking = shield.raise();
+                if let Err(e) = acks.ack(&delivery).await {
                     warn!(error = %e, "ack failed: the broker will redeliver, idempotency stops a double send");
                 }
                 settled
@@ -603,7 +609,7 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
                     ),
                     Handback::Closing => info!("shutting down: handing the delivery back"),
                 }
-                if let Err(e) = tollgate_amqp::requeue(&delivery.acker).await {
+                if let Err(e) = acks.requeue(&delivery.acker, delivery.delivery_tag).await {
                     warn!(error = %e, "requeue failed: the broker requeues it when the channel closes");
                 }
                 Settled::Requeued
