@@ -134,7 +134,7 @@ pub async fn run(
                 "minimal_pipeline": "consume → one EVALSHA (INCR + PEXPIRE) → POST → ack, \
                     `prefetch` jobs in flight, in the bench process",
                 "tollgate": "one worker process, TOLLGATE_CONCURRENCY = TOLLGATE_PREFETCH = prefetch, \
-                    unlimited quota, 8 tenants",
+                    unlimited quota, 8 tenants spread evenly over the work queues",
                 "provider": "local, answers 200 at once", "queue_type": "quorum",
             }),
             figures,

@@ -114,6 +114,29 @@ impl Rig {
         anyhow::bail!("no tenant named {stem}-1..64 lands on a wanted shard")
     }
 
+    /// `n` tenants among `{stem}-1`, `{stem}-2`, … spread as evenly as `n`
+    /// allows over the work queues. Which queue a tenant hashes to depends
+    /// on the run's random prefix: 8 tenants picked blindly put 5 on one of
+    /// 4 queues in one run, and the run then measured that queue alone.
+    pub async fn tenants_spread(&self, stem: &str, n: usize) -> anyhow::Result<Vec<String>> {
+        let shards = self.broker.topology().work_queues().len();
+        let per_shard = n.div_ceil(shards);
+        let mut on = vec![0; shards];
+        let mut tenants = Vec::with_capacity(n);
+        for i in 1..=64 * n {
+            let tenant = format!("{stem}-{i}");
+            let shard = self.shard_of(&tenant).await?;
+            if on[shard] < per_shard {
+                on[shard] += 1;
+                tenants.push(tenant);
+                if tenants.len() == n {
+                    return Ok(tenants);
+                }
+            }
+        }
+        anyhow::bail!("{stem}-1..{} do not spread over the work queues", 64 * n)
+    }
+
     /// Starts `tollgate worker` (the product binary, built beside this one)
     /// as a separate process.
     pub async fn spawn_process(&mut self, extra: &[(&str, &str)]) -> anyhow::Result<Process> {

@@ -49,7 +49,7 @@ pub async fn run(base: &Config, args: &BenchArgs) -> anyhow::Result<Vec<Scenario
             title: "Ceiling vs tollgate",
             parameters: json!({
                 "jobs": args.jobs, "runs": args.runs, "queue_type": "quorum", "prefetch": base.concurrency,
-                "tollgate": "one worker process", "tenants": TENANTS, "quota": "1000000/s burst 1000",
+                "tollgate": "one worker process", "tenants": TENANTS, "tenants_spread": "evenly over the work queues", "quota": "1000000/s burst 1000",
                 "provider": "local, answers 200 at once",
             }),
             figures: vec![
@@ -213,14 +213,15 @@ pub(super) struct ThroughputRun {
 }
 
 /// One tollgate worker process (with `extra` environment) through `n` jobs
-/// of 8 tenants with an unlimited quota and an instant provider.
+/// of 8 tenants (two per work queue at the default 4 shards) with an
+/// unlimited quota and an instant provider.
 pub(super) async fn tollgate_process(
     base: &Config,
     n: u32,
     extra: &[(&str, &str)],
 ) -> anyhow::Result<ThroughputRun> {
     let mut rig = Rig::new(base, always_ok()).await?;
-    let tenants: Vec<String> = (0..TENANTS).map(|i| format!("bench-{i}")).collect();
+    let tenants = rig.tenants_spread("bench", TENANTS as usize).await?;
     for t in &tenants {
         rig.set_quota(t, "1000000/s", 1000).await?;
     }
