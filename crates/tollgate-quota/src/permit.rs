@@ -750,12 +750,7 @@ impl RedisPermits {
     /// whole ms, the slot rounded up so it is never early.
     fn on_pod_clock(&self, send: i64, delay: Duration) -> (Duration, UnixMillis) {
         let send = send - self.calls.clock_offset().unwrap_or(0);
-        let made_ms = (send - delay.as_micros() as i64).div_euclid(1000);
-        let slot_ms = (send + 999).div_euclid(1000);
-        (
-            Duration::from_millis((slot_ms - made_ms).max(0) as u64),
-            UnixMillis(made_ms),
-        )
+        send_on_pod_clock(send, delay, wall_clock_micros())
     }
 
     /// One completion ([`PermitStore::complete`]), batched with the others
@@ -899,6 +894,27 @@ impl RedisPermits {
             self.local.lock().expect("not poisoned").remove(key);
         }
     }
+}
+
+/// A grant's send time `send` (microseconds on this pod's clock), chosen
+/// `delay` after Redis made the decision, read at `now`: the delay from
+/// when it was made, in the whole milliseconds the job's clock counts, and
+/// when it was made. A send time still ahead is rounded up to the
+/// millisecond, so a job never goes before it; one already past (every
+/// grant for "now", read a moment after it was made) is due at once, not
+/// rounded up into a wait of up to 2 ms (the timer's granularity) that
+/// every job sent at once paid before.
+fn send_on_pod_clock(send: i64, delay: Duration, now: i64) -> (Duration, UnixMillis) {
+    let made_ms = (send - delay.as_micros() as i64).div_euclid(1000);
+    let slot_ms = if send <= now {
+        send.div_euclid(1000)
+    } else {
+        (send + 999).div_euclid(1000)
+    };
+    (
+        Duration::from_millis((slot_ms - made_ms).max(0) as u64),
+        UnixMillis(made_ms),
+    )
 }
 
 /// This pod's wall clock, microseconds since the epoch.
@@ -1064,5 +1080,28 @@ mod contract {
             },
         );
         assert!(keys.in_order().iter().all(|k| k.starts_with("p:")));
+    }
+}
+
+#[cfg(test)]
+mod send_time {
+    use super::*;
+
+    #[test]
+    fn a_grant_for_now_read_after_it_was_made_is_due_at_once() {
+        // Made and meant for 1,000.400 ms; read 300 µs later.
+        let (delay, made) = send_on_pod_clock(1_000_400, Duration::ZERO, 1_000_700);
+        assert_eq!((delay, made), (Duration::ZERO, UnixMillis(1_000)));
+    }
+
+    #[test]
+    fn a_send_time_still_ahead_is_never_rounded_down() {
+        // Made at 1,000.400 ms for 1,003.400 ms, read at 1,000.700 ms: the
+        // job waits until 1,004 ms, never goes at 1,003.
+        let (delay, made) = send_on_pod_clock(1_003_400, Duration::from_millis(3), 1_000_700);
+        assert_eq!((delay, made), (Duration::from_millis(4), UnixMillis(1_000)));
+        // Read after it passed: due at once, from its own millisecond.
+        let (delay, _) = send_on_pod_clock(1_003_400, Duration::from_millis(3), 1_003_500);
+        assert_eq!(delay, Duration::from_millis(3));
     }
 }
