@@ -306,7 +306,8 @@ async fn a_parked_copy_stays_in_its_tier_as_long_as_it_was_parked_for() {
 }
 
 /// Acks coalesced with `multiple` settle exactly what was asked: deliveries
-/// of several work queues on one channel, acked out of order, some handed
+/// of six tenants (over the work queues their hashes pick) on one channel,
+/// acked out of order, some handed
 /// back, one never settled. The one never settled returns to its queue when
 /// the channel closes (a `multiple` that covered it would have lost it),
 /// the ones handed back come again, and every other is gone.
@@ -331,8 +332,11 @@ async fn coalesced_acks_never_settle_a_delivery_still_in_work() {
             .unwrap();
         deliveries.push(next);
     }
-    let queues: HashSet<_> = deliveries.iter().map(|d| d.routing_key.clone()).collect();
-    assert!(queues.len() > 1, "the jobs reached several tenants");
+    let tenants_seen: HashSet<_> = deliveries.iter().map(|d| d.routing_key.clone()).collect();
+    assert!(
+        tenants_seen.len() > 1,
+        "the deliveries are of several tenants"
+    );
     deliveries.sort_by_key(|d| d.delivery_tag);
     // The lowest tag stays in work; three in the middle are handed back.
     let held = deliveries.remove(0);

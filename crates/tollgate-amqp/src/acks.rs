@@ -99,17 +99,20 @@ impl State {
     /// Sends frames until nothing is left done and unacked.
     async fn flush(state: Arc<Mutex<Self>>) {
         loop {
-            let (run, mut ready) = {
+            let (frames, mut ready) = {
                 let mut s = state.lock().expect("not poisoned");
                 if s.ready.is_empty() {
                     s.flushing = false;
                     return;
                 }
                 let ready = std::mem::take(&mut s.ready);
-                (s.ledger.take(ready.keys().copied()).run, ready)
+                (s.ledger.take(ready.keys().copied()), ready)
+            };
+            let mut frame = |tags: &[u64]| -> Vec<(Acker, Done)> {
+                tags.iter().filter_map(|t| ready.remove(t)).collect()
             };
             // The run's last tag, with `multiple`, settles the whole run.
-            let run: Vec<(Acker, Done)> = run.iter().filter_map(|t| ready.remove(t)).collect();
+            let run = frame(&frames.run);
             if let Some((last, _)) = run.last() {
                 let sent = send_ack(last, run.len() > 1).await;
                 for (_, done) in run {
@@ -117,7 +120,7 @@ impl State {
                 }
             }
             // The rest lie past a gap: one frame each.
-            for (acker, done) in ready.into_values() {
+            for (acker, done) in frame(&frames.singles) {
                 let _ = done.send(send_ack(&acker, false).await);
             }
         }

@@ -746,8 +746,8 @@ impl RedisPermits {
     }
 
     /// A grant's send time (Redis's clock, microseconds) and its `delay`,
-    /// as when Redis made it and the delay from then on this pod's clock:
-    /// whole ms, the slot rounded up so it is never early.
+    /// as when Redis made it and the delay from then on this pod's clock
+    /// ([`send_on_pod_clock`]).
     fn on_pod_clock(&self, send: i64, delay: Duration) -> (Duration, UnixMillis) {
         let send = send - self.calls.clock_offset().unwrap_or(0);
         send_on_pod_clock(send, delay, wall_clock_micros())
