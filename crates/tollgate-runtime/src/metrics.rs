@@ -217,7 +217,7 @@ impl Metrics {
             shadow_decisions: counter(
                 r,
                 "tollgate_shadow_decisions_total",
-                "What a tenant's shadow quota would have decided for each granted send (allow, deny); never enforced.",
+                "What a tenant's shadow quota would have decided for each granted permit (allow, deny); never enforced.",
                 &["tenant", "decision"],
             ),
             provider_requests: counter(
