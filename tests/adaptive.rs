@@ -35,6 +35,7 @@ fn stores() -> (RedisPermits, QuotaStore) {
         concurrency_retry: Duration::from_millis(100),
         denial_block: 1,
         denial_cache_ttl: Duration::from_secs(1),
+        account_wide: Vec::new(),
     };
     let permits = RedisPermits::new(Arc::clone(&redis), Keys::new(&prefix), settings);
     (permits, QuotaStore::new(redis, Keys::new(&prefix)))
@@ -277,6 +278,18 @@ async fn permits_follow_the_learned_rate_and_a_plain_quota_forgets_it() {
 #[tokio::test]
 async fn a_route_learns_from_the_429s_blamed_on_it() {
     let (permits, store) = stores();
+    a_route_learns(permits, store).await;
+}
+
+/// As on a Redis Cluster: the route's side of each permit and completion
+/// is a call of its own, in the route's slot.
+#[tokio::test]
+async fn a_route_in_a_slot_of_its_own_learns_from_the_429s_blamed_on_it() {
+    let (permits, store) = stores();
+    a_route_learns(permits.splitting_routes(), store).await;
+}
+
+async fn a_route_learns(permits: RedisPermits, store: QuotaStore) {
     let route = Kind::parse("email").unwrap();
     let route_target = Target::Route(route.clone());
     let rate = Quota::parse("30/s", 1).unwrap().rate;

@@ -13,7 +13,8 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 use tollgate_amqp::ShardQueue;
-use tollgate_core::{Job, SecretUrl};
+use tollgate_core::{Job, Kind, Quota, SecretUrl};
+use tollgate_quota::{Change, Keys, Target};
 use tollgate_tests::{
     FakeProvider, Received, TestEnv, WorkerHandle, effects, fake_provider, max_in_window, wait_for,
 };
@@ -22,6 +23,8 @@ use tollgate_tests::{
 const TENANTS: [&str; 4] = ["acme", "globex", "initech", "umbrella"];
 const PER_TENANT: u32 = 125;
 const RATE: u32 = 10;
+/// The route's quota in the Redis Cluster's run: below the tenants' sum.
+const ROUTE_RATE: u32 = 30;
 
 /// Private clusters in a directory of their own, stopped when dropped.
 struct Clusters {
@@ -354,17 +357,37 @@ async fn a_redis_master_killed_mid_run_loses_nothing_and_sends_nothing_twice() {
     for tenant in TENANTS {
         env.set_quota(tenant, &format!("{RATE}/s"), 1).await;
     }
-    // Every key of the installation is in one slot: one master holds them.
+    // One provider account for all: the route's quota is below the sum of
+    // the tenants', so each job's permit is decided on the route's slot and
+    // on its tenant's (`tollgate_core::cross_slot`).
+    let route = Kind::default_kind();
+    let quota = Quota::new(format!("{ROUTE_RATE}/s").parse().unwrap(), 1).unwrap();
+    env.change(
+        Target::Route(route.clone()),
+        Change::SetQuota {
+            quota,
+            concurrency: None,
+            weight: None,
+            adaptive: None,
+        },
+    )
+    .await;
+    // The tenants' keys and the route's spread over the masters: the
+    // route's on the one whose slot its tag names.
     let holding: Vec<&String> = masters
         .iter()
         .filter(|m| redis_cli(m, &["DBSIZE"]) != "0")
         .collect();
-    assert_eq!(
-        holding.len(),
-        1,
-        "the keys of one installation share a slot: {holding:?}"
+    assert!(
+        holding.len() > 1,
+        "an installation's tenants and routes spread over the masters: {holding:?}"
     );
-    let master = holding[0].clone();
+    let route_key = Keys::new(&env.config.prefix).route_quota(&route);
+    let master = masters
+        .iter()
+        .find(|m| redis_cli(m, &["EXISTS", &route_key]) == "1")
+        .expect("a master holds the route's quota")
+        .clone();
 
     let mut workers: Vec<WorkerHandle> = Vec::new();
     for _ in 0..3 {
@@ -373,7 +396,8 @@ async fn a_redis_master_killed_mid_run_loses_nothing_and_sends_nothing_twice() {
     let jobs = start_the_run(&env, &provider).await;
     let published = jobs.len();
 
-    // Crash the master that holds every key: its replica takes over.
+    // Crash the master that holds the route's keys, which every permit
+    // asks: its replica takes over.
     let sent_before = provider.accepted();
     let port = master.rsplit_once(':').expect("host:port").1.to_owned();
     clusters.run(&["redis-kill", &port]).await;
@@ -406,6 +430,8 @@ async fn a_redis_master_killed_mid_run_loses_nothing_and_sends_nothing_twice() {
     let received = provider.received();
     let (sent, repeats) = effects(&received);
     let busiest_second = busiest_second(&received, &TENANTS);
+    let every_send: Vec<Instant> = received.iter().map(|r| r.instant).collect();
+    let route_busiest = max_in_window(&every_send, Duration::from_secs(1));
     // The longest pause in sends around the crash: the failover as the
     // provider saw it.
     let mut around: Vec<Instant> = received
@@ -424,7 +450,7 @@ async fn a_redis_master_killed_mid_run_loses_nothing_and_sends_nothing_twice() {
         "redis master {master} killed: longest pause in sends {pause:?}, 40 more sent \
          {resumed:?} after; published {published} = \
          sent {} + dead-lettered {dead}; repeats {repeats}; most sends of a tenant in any 1 s \
-         {busiest_second} (quota {RATE})",
+         {busiest_second} (quota {RATE}), of the route {route_busiest} (quota {ROUTE_RATE})",
         sent.len()
     );
     let expected: HashSet<String> = jobs.iter().map(|j| j.idempotency_key.to_string()).collect();
@@ -435,6 +461,11 @@ async fn a_redis_master_killed_mid_run_loses_nothing_and_sends_nothing_twice() {
         busiest_second <= RATE as usize + 1,
         "the quota held, give or take the one send a lost write allows: \
          {busiest_second} sends of one tenant in 1 s"
+    );
+    assert!(
+        route_busiest <= ROUTE_RATE as usize + 1,
+        "the route's quota held, give or take the one send a lost write allows: \
+         {route_busiest} sends in 1 s"
     );
     env.stop_when_drained(workers).await;
 }

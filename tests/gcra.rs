@@ -23,20 +23,37 @@ fn settings(default: Quota) -> PermitSettings {
         concurrency_retry: Duration::from_millis(100),
         denial_block: 1,
         denial_cache_ttl: Duration::from_secs(1),
+        account_wide: Vec::new(),
     }
 }
 
 /// A permit store on a fresh random prefix, and the quota store that
 /// purges it.
 fn stores(quota: Quota) -> (RedisPermits, QuotaStore) {
+    stores_with(settings(quota))
+}
+
+fn stores_with(settings: PermitSettings) -> (RedisPermits, QuotaStore) {
     let config = tollgate::Config::load(None).expect("TOLLGATE_* environment is valid");
     let prefix = format!(
         "tgtest-gcra-{}",
         &uuid::Uuid::new_v4().simple().to_string()[..10]
     );
     let redis = Arc::new(Redis::new(&config.redis_settings()).unwrap());
-    let permits = RedisPermits::new(Arc::clone(&redis), Keys::new(&prefix), settings(quota));
+    let permits = RedisPermits::new(Arc::clone(&redis), Keys::new(&prefix), settings);
     (permits, QuotaStore::new(redis, Keys::new(&prefix)))
+}
+
+/// [`stores`] deciding as on a Redis Cluster: a route's side of each
+/// permit in a call of its own (`route.lua`), the tenant's given the time
+/// the route reserved. The route `email`'s 429s are account-wide.
+fn split_stores(quota: Quota) -> (RedisPermits, QuotaStore) {
+    let settings = PermitSettings {
+        account_wide: vec![Kind::parse("email").unwrap()],
+        ..settings(quota)
+    };
+    let (permits, quotas) = stores_with(settings);
+    (permits.splitting_routes(), quotas)
 }
 
 /// A fresh job's request (no place in line, the store's whole horizon).
@@ -156,7 +173,7 @@ async fn simulate(
     const TIERS_MS: [u64; 6] = [100, 250, 500, 1_000, 5_000, 30_000];
     /// A job's place: time left (µs), the spacing it was given, and its
     /// place on its share of the route if it is one.
-    type Place = Option<(u64, Duration, Option<u64>)>;
+    type Place = Option<(u64, Option<Duration>, Option<u64>)>;
     // (when it asks next, job, its place).
     let mut asks: Vec<(u64, usize, Place)> = jobs
         .iter()
@@ -176,7 +193,7 @@ async fn simulate(
             priority: jobs[i].priority,
             returning: place.map(|(left, interval, share_place)| Returning {
                 remaining: Duration::from_micros(left),
-                interval: Some(interval),
+                interval,
                 share_place,
             }),
             ..request(&jobs[i].tenant, route, &ids[i], &keys[i])
@@ -557,10 +574,16 @@ fn sorted_within_the_route(mut sends: Vec<(u64, usize)>, jobs: usize) -> Vec<(u6
 /// limit holds and every job is sent once; returns each tenant's fraction
 /// of the sends made while all three had work: from the first arrival of
 /// the last to start to the last send of the first to finish.
-fn shares_by_weight(per_tenant: usize, starts: [u64; 3]) -> [f64; 3] {
+/// `split`: decided as on a Redis Cluster ([`split_stores`]).
+fn shares_by_weight(per_tenant: usize, starts: [u64; 3], split: bool) -> [f64; 3] {
     let weights = [1u32, 2, 3];
     let (sends, jobs) = runtime().block_on(async {
-        let (permits, quotas) = stores(Quota::new("1000/s".parse().unwrap(), 1).unwrap());
+        let quota = Quota::new("1000/s".parse().unwrap(), 1).unwrap();
+        let (permits, quotas) = if split {
+            split_stores(quota)
+        } else {
+            stores(quota)
+        };
         let route = route_of_30_per_second(&quotas).await;
         let tenants: Vec<TenantId> = (0..weights.len())
             .map(|t| TenantId::parse(format!("w{t}")).unwrap())
@@ -622,7 +645,7 @@ fn assert_shares_follow_weights(shares: [f64; 3]) {
 /// while all three have work.
 #[test]
 fn a_shared_route_divides_among_its_tenants_by_weight() {
-    assert_shares_follow_weights(shares_by_weight(90, [0, 0, 0]));
+    assert_shares_follow_weights(shares_by_weight(90, [0, 0, 0], false));
 }
 
 /// The same when the tenants start one after another, so the sum of the
@@ -632,7 +655,15 @@ fn a_shared_route_divides_among_its_tenants_by_weight() {
 /// a gap in its line.
 #[test]
 fn shares_follow_the_weights_when_tenants_start_one_after_another() {
-    assert_shares_follow_weights(shares_by_weight(150, [0, 1_000_000, 2_000_000]));
+    assert_shares_follow_weights(shares_by_weight(150, [0, 1_000_000, 2_000_000], false));
+}
+
+/// Both, with the route's side of each permit in the route's slot (as on a
+/// Redis Cluster): the shares are kept there the same way.
+#[test]
+fn with_the_routes_keys_in_a_slot_of_their_own_the_route_divides_by_weight() {
+    assert_shares_follow_weights(shares_by_weight(90, [0, 0, 0], true));
+    assert_shares_follow_weights(shares_by_weight(150, [0, 1_000_000, 2_000_000], true));
 }
 
 /// Two tenants whose own quotas (10/s) hold them far below a route of
@@ -1064,4 +1095,143 @@ async fn decision_at(permits: &RedisPermits, req: PermitRequest<'_>, now: u64) -
         Reply::Decision(decision) => decision,
         other => panic!("{other:?}"),
     }
+}
+
+/// Sets `tenant`'s quota to `rate`, burst 1.
+async fn tenant_quota(quotas: &QuotaStore, tenant: &TenantId, rate: &str) {
+    let change = tollgate_quota::Change::SetQuota {
+        quota: Quota::new(rate.parse().unwrap(), 1).unwrap(),
+        concurrency: None,
+        weight: None,
+        adaptive: None,
+    };
+    let target = tollgate_quota::Target::Tenant(tenant.clone());
+    quotas.apply(&target, change, &test_actor()).await.unwrap();
+}
+
+/// The send times of `tenant`'s jobs, in order; checks no two are closer
+/// than `interval` µs.
+fn spaced(sends: &[(u64, usize)], jobs: &[Simulated], tenant: &str, interval: u64) -> Vec<u64> {
+    let mut at: Vec<u64> = sends
+        .iter()
+        .filter(|&&(_, i)| jobs[i].tenant.as_str() == tenant)
+        .map(|&(at, _)| at)
+        .collect();
+    at.sort_unstable();
+    for w in at.windows(2) {
+        assert!(
+            w[1] - w[0] >= interval,
+            "{tenant}: two sends closer than {interval} µs: {w:?}"
+        );
+    }
+    at
+}
+
+#[test]
+fn with_the_routes_keys_in_a_slot_of_their_own_neither_limit_is_exceeded() {
+    // A route of 30/s shared by a tenant that could fill it alone (100/s,
+    // a backlog of 150), one at 20/s (60 jobs) and one paced slowly by its
+    // own quota (5/s, 20 jobs): the route reserves each send time first,
+    // the tenant takes it or refuses it, a refused time goes back.
+    let (sends, jobs, after) = runtime().block_on(async {
+        let (permits, quotas) = split_stores(Quota::new("1000/s".parse().unwrap(), 1).unwrap());
+        let route = route_of_30_per_second(&quotas).await;
+        let mut jobs = Vec::new();
+        for (name, rate, n) in [
+            ("fast", "100/s", 150),
+            ("mid", "20/s", 60),
+            ("slow", "5/s", 20),
+        ] {
+            let tenant = TenantId::parse(name).unwrap();
+            tenant_quota(&quotas, &tenant, rate).await;
+            jobs.extend((0..n).map(|i| Simulated {
+                tenant: tenant.clone(),
+                priority: tollgate_core::Priority::Normal,
+                arrives: i * 100,
+            }));
+        }
+        let sends = simulate(&permits, &route, &jobs, |i| i as i64 % 7).await;
+        // Nothing is left reserved: once the last send is past, a new
+        // tenant's job goes at once.
+        let end = sends.iter().map(|&(at, _)| at).max().unwrap() + 100_000;
+        let (late, id) = (TenantId::parse("late").unwrap(), JobId::parse("x").unwrap());
+        let key = IdempotencyKey::from(&id);
+        let after = decision_at(&permits, request(&late, &route, &id, &key), T0 + end).await;
+        quotas.purge_prefix().await.unwrap();
+        (sends, jobs, after)
+    });
+    let sends = sorted_within_the_route(sends, jobs.len());
+    spaced(&sends, &jobs, "fast", 10_000);
+    spaced(&sends, &jobs, "mid", 50_000);
+    let slow = spaced(&sends, &jobs, "slow", 200_000);
+    // The slow tenant is not queued behind the others' backlogs (its 20
+    // sends would then be the route's last): its last send comes before
+    // three quarters of the route's.
+    let slow_last = sends
+        .iter()
+        .position(|&(at, _)| at == *slow.last().unwrap())
+        .unwrap();
+    assert!(
+        slow_last < sends.len() * 3 / 4,
+        "slow's last send is the route's {slow_last}th of {}",
+        sends.len()
+    );
+    // The route is never left idle for longer than a job parks (at most a
+    // hop of the delay tiers: a parked job learns only when it is back that
+    // its place came closer as the others left).
+    let idle = sends.windows(2).map(|w| w[1].0 - w[0].0).max().unwrap();
+    assert!(idle <= 5_000_000, "the route was idle {idle} µs");
+    assert!(
+        matches!(after, PermitDecision::Granted { delay, .. } if delay.is_zero()),
+        "{after:?}"
+    );
+}
+
+#[test]
+fn with_the_routes_keys_in_a_slot_of_their_own_an_account_wide_429_holds_every_tenant() {
+    runtime().block_on(async {
+        let (permits, quotas) = split_stores(Quota::new("100/s".parse().unwrap(), 1).unwrap());
+        // No quota on the route: its 429s are account-wide, so its jobs
+        // still ask its slot, where the penalty is.
+        let route = Kind::parse("email").unwrap();
+        let (noisy, quiet) = (
+            TenantId::parse("noisy").unwrap(),
+            TenantId::parse("quiet").unwrap(),
+        );
+        let ids: Vec<JobId> = (0..3).map(|i| JobId::parse(format!("j{i}")).unwrap()).collect();
+        let keys: Vec<IdempotencyKey> = ids.iter().map(IdempotencyKey::from).collect();
+        let penalty = Penalty {
+            wait: Duration::from_secs(2),
+            scope: ThrottleScope::Route,
+        };
+        permits
+            .record(
+                request(&noisy, &route, &ids[0], &keys[0]),
+                PermitUse::CallFailed,
+                Some(penalty),
+                None,
+                Some(T0),
+            )
+            .await
+            .unwrap();
+        let during = permits
+            .decide(request(&quiet, &route, &ids[1], &keys[1]), 1, Some(T0 + 500_000))
+            .await
+            .unwrap();
+        assert!(
+            matches!(during, Reply::Denied { retry_in, .. } if retry_in == Duration::from_millis(1_500)),
+            "{during:?}"
+        );
+        let after = decision_at(
+            &permits,
+            request(&quiet, &route, &ids[2], &keys[2]),
+            T0 + 2_000_000,
+        )
+        .await;
+        assert!(
+            matches!(after, PermitDecision::Granted { delay, .. } if delay.is_zero()),
+            "{after:?}"
+        );
+        quotas.purge_prefix().await.unwrap();
+    });
 }

@@ -207,7 +207,7 @@ pub(crate) fn parked_now(fields: &[(String, i64)], now_ms: f64) -> Vec<(ParkReas
 impl QuotaStore {
     /// Adds `counts` to the tenants' parked hashes (one script call per
     /// tenant) and keeps the tenants listed as active until their furthest
-    /// copy is back, all in one pipelined round trip. `now_ms` is the caller's
+    /// copy is back, all in flight at once. `now_ms` is the caller's
     /// clock, to keep each hash until its furthest bucket has passed.
     pub async fn count_parked(
         &self,
@@ -220,8 +220,9 @@ impl QuotaStore {
         let script = &self.parked;
         let mut sorted: Vec<&ParkedCount> = counts.iter().collect();
         sorted.sort_by_key(|c| c.tenant.as_str());
-        let mut pipe = redis::pipe();
-        pipe.load_script(script).ignore();
+        // One call per tenant (its slot), and the active-tenant index.
+        let mut groups = Vec::new();
+        let mut marks = redis::pipe();
         for of_tenant in sorted.chunk_by(|a, b| a.tenant == b.tenant) {
             let tenant = &of_tenant[0].tenant;
             let furthest = of_tenant.iter().map(|c| c.bucket_ms).max().unwrap_or(0);
@@ -233,32 +234,36 @@ impl QuotaStore {
                     .arg(format!("{}:{}", c.reason.as_str(), c.bucket_ms))
                     .arg(c.copies);
             }
+            let mut pipe = redis::pipe();
+            pipe.load_script(script).ignore();
             pipe.invoke_script(&invocation).ignore();
+            groups.push(pipe);
             // Listed in the console while its copies are out, even before
             // its first send.
             let until_s = furthest.max(now_ms) / 1_000;
-            pipe.cmd("ZADD")
+            marks
+                .cmd("ZADD")
                 .arg(self.keys.active_tenants())
                 .arg("GT")
                 .arg(until_s)
                 .arg(tenant.as_str())
                 .ignore();
         }
-        let mut conn = self.redis.conn().await?;
-        pipe.query_async::<()>(&mut conn)
-            .await
-            .map_err(|e| self.redis.classify(e))
+        groups.push(marks);
+        self.redis.query_groups(groups).await.map(drop)
     }
 
-    /// [`Activity`] for each of `tenants`, in order, in one round trip.
+    /// [`Activity`] for each of `tenants`, in order, its calls all in flight
+    /// at once.
     pub async fn activity(&self, tenants: &[TenantId]) -> Result<Vec<Activity>, QuotaError> {
         if tenants.is_empty() {
             return Ok(vec![]);
         }
-        let mut conn = self.redis.conn().await?;
-        let mut pipe = redis::pipe();
-        pipe.cmd("TIME");
+        // Redis's clock, then each tenant's keys (its slot) in a call.
+        let mut groups = vec![redis::pipe()];
+        groups[0].cmd("TIME");
         for t in tenants {
+            let mut pipe = redis::pipe();
             pipe.cmd("HGETALL").arg(self.keys.stats(t));
             pipe.cmd("ZCARD").arg(self.keys.in_flight(t));
             pipe.cmd("GET").arg(self.keys.penalty(t));
@@ -270,11 +275,15 @@ impl QuotaStore {
             ] {
                 pipe.cmd("GET").arg(line);
             }
+            groups.push(pipe);
         }
-        let replies: Vec<Value> = pipe
-            .query_async(&mut conn)
-            .await
-            .map_err(|e| self.redis.classify(e))?;
+        let replies: Vec<Value> = self
+            .redis
+            .query_groups(groups)
+            .await?
+            .into_iter()
+            .flatten()
+            .collect();
         let got = replies.len();
         let bad = || QuotaError::BadReply(format!("activity: {got} replies"));
         let mut replies = replies.into_iter();

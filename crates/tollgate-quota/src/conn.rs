@@ -8,8 +8,11 @@
 //!
 //! A Redis Cluster (`redis_url` listing its nodes) gets a cluster connection
 //! instead: it follows the slots (`MOVED`, a replica promoted on failover) by
-//! itself. Every key of an installation then shares one hash tag (see
-//! [`Redis::keys`]), so each script call, pipeline and scan stays in one slot.
+//! itself. An installation's keys then spread over the slots ([`Keys`]);
+//! every script call and pipeline names one slot's keys
+//! ([`Redis::query_groups`] runs several such at once), and the commands
+//! that name no key go to every master ([`Redis::ping`],
+//! [`Redis::keys_matching`]) or to the installation's slot.
 
 use std::sync::Mutex;
 use std::time::Duration;
@@ -18,7 +21,10 @@ use deadpool_redis::{Manager, Pool, Runtime};
 use redis::aio::{ConnectionLike, MultiplexedConnection};
 use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
-use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, Slot, SlotAddr};
+use redis::cluster_routing::{
+    MultipleNodeRoutingInfo, ResponsePolicy, Route, RoutingInfo, SingleNodeRoutingInfo, Slot,
+    SlotAddr,
+};
 use redis::{AsyncConnectionConfig, Cmd, Pipeline, RedisFuture, Value};
 
 use crate::{Keys, QuotaError};
@@ -198,15 +204,36 @@ impl Redis {
         Ok(builder.build()?)
     }
 
-    /// The key layout for `prefix`: on a cluster every key of the
-    /// installation carries the `{prefix}` hash tag, one slot for all, so
-    /// no script call (a tenant's keys with its route's and the
-    /// installation's), pipeline or scan crosses slots.
+    /// Whether this is a Redis Cluster (a call may name one slot's keys).
+    pub fn is_cluster(&self) -> bool {
+        matches!(self.source, Source::Cluster(_))
+    }
+
+    /// The key layout for `prefix` on this Redis ([`Keys::on_cluster`] on a
+    /// cluster).
     pub fn keys(&self, prefix: &str) -> Keys {
         match self.source {
             Source::One(_) => Keys::new(prefix),
-            Source::Cluster(_) => Keys::in_one_slot(prefix),
+            Source::Cluster(_) => Keys::on_cluster(prefix),
         }
+    }
+
+    /// Runs each pipeline (each naming the keys of one slot), all in
+    /// flight at once on the shared connection, and returns each one's
+    /// replies (those of its commands not ignored), in order.
+    pub async fn query_groups(&self, groups: Vec<Pipeline>) -> Result<Vec<Vec<Value>>, QuotaError> {
+        let conn = self.conn().await?;
+        let mut calls = tokio::task::JoinSet::new();
+        for (i, pipe) in groups.into_iter().enumerate() {
+            let mut conn = conn.clone();
+            calls.spawn(async move { (i, pipe.query_async::<Vec<Value>>(&mut conn).await) });
+        }
+        let mut replies = vec![Vec::new(); calls.len()];
+        while let Some(done) = calls.join_next().await {
+            let (i, reply) = done.map_err(|e| QuotaError::Unavailable(e.to_string()))?;
+            replies[i] = reply.map_err(|e| self.classify(e))?;
+        }
+        Ok(replies)
     }
 
     /// The shared connection, connecting first if there is none.
@@ -269,14 +296,55 @@ impl Redis {
             .collect()
     }
 
-    /// Round trip check for readiness probes.
-    /// On a cluster, it asks the node that holds `near`'s slot: another
-    /// node answering says nothing of whether decisions can be made.
-    pub async fn ping(&self, near: &str) -> Result<(), QuotaError> {
+    /// Round trip check for readiness probes. On a cluster, every master
+    /// must answer: an installation's tenants and routes spread over all of
+    /// them, so one that does not answer leaves decisions unmade.
+    pub async fn ping(&self) -> Result<(), QuotaError> {
         let mut conn = self.conn().await?;
-        conn.query_near::<String>(&redis::cmd("PING"), near)
-            .await
-            .map(drop)
-            .map_err(|e| self.classify(e))
+        let answered = match &mut conn {
+            Conn::One(c) => redis::cmd("PING").query_async::<String>(c).await.map(drop),
+            Conn::Cluster(c) => {
+                let every_master = RoutingInfo::MultiNode((
+                    MultipleNodeRoutingInfo::AllMasters,
+                    Some(ResponsePolicy::AllSucceeded),
+                ));
+                c.route_command(redis::cmd("PING"), every_master)
+                    .await
+                    .map(drop)
+            }
+        };
+        answered.map_err(|e| self.classify(e))
+    }
+
+    /// Every key matching `pattern`: `SCAN` on one Redis; on a cluster,
+    /// `KEYS` on every master (it blocks each while it runs: for tests,
+    /// the demo and the bench's cleanup, never the hot path).
+    pub async fn keys_matching(&self, pattern: &str) -> Result<Vec<String>, QuotaError> {
+        let mut conn = self.conn().await?;
+        if let Conn::Cluster(c) = &mut conn {
+            return redis::cmd("KEYS")
+                .arg(pattern)
+                .query_async(c)
+                .await
+                .map_err(|e| self.classify(e));
+        }
+        let mut cursor: u64 = 0;
+        let mut all = Vec::new();
+        loop {
+            let (next, batch): (u64, Vec<String>) = redis::cmd("SCAN")
+                .arg(cursor)
+                .arg("MATCH")
+                .arg(pattern)
+                .arg("COUNT")
+                .arg(1000)
+                .query_async(&mut conn)
+                .await
+                .map_err(|e| self.classify(e))?;
+            all.extend(batch);
+            if next == 0 {
+                return Ok(all);
+            }
+            cursor = next;
+        }
     }
 }

@@ -3,33 +3,44 @@
 //! `[A-Za-z0-9._:-]`, so a tenant can never close a tag or reach another
 //! tenant's keys.
 //!
-//! Every key of a tenant lands in one slot, but the permit script also reads
-//! the route's keys: keys in another slot, which a Redis Cluster refuses in
-//! one call (`CROSSSLOT`). So on a cluster ([`Keys::in_one_slot`]) every key of
-//! an installation starts with the `{prefix}` tag instead: a key's first
-//! tag is the one that counts, so all share one slot (one master and its
-//! replicas), and every script call stays whole and atomic.
+//! On a Redis Cluster an installation's tenants and routes thus spread over
+//! the masters. Every script call names the keys of one slot: a tenant's
+//! (`permit.lua`, `complete.lua`, `change.lua` for a tenant), or a route's
+//! (`route.lua`, `change.lua` for a route). A job on a route with a quota
+//! takes its permit in a call to each ([`Keys::no_route`] stands in for the
+//! route's keys in the tenant's call). The installation's own keys (the
+//! default quota, the indexes, the audit stream, locks) are each read or
+//! written alone.
 
 use tollgate_core::{IdempotencyKey, JobId, Kind, TenantId};
 
 #[derive(Clone, Debug)]
 pub struct Keys {
     prefix: String,
+    /// What the installation's own keys start with: the prefix, or on a
+    /// cluster the prefix and its hash tag, so that they share a slot.
+    installation: String,
 }
 
 impl Keys {
+    /// The layout on one Redis.
     pub fn new(prefix: impl Into<String>) -> Self {
+        let prefix = prefix.into();
         Self {
-            prefix: prefix.into(),
+            installation: prefix.clone(),
+            prefix,
         }
     }
 
-    /// The layout on a Redis Cluster: every key starts with `{prefix}` (a
-    /// key's first hash tag is the one that counts), so all of an
-    /// installation's keys share one slot.
-    pub fn in_one_slot(prefix: &str) -> Self {
+    /// The layout on a Redis Cluster: as on one Redis, but the
+    /// installation's own keys carry the `{prefix}` tag
+    /// (`tollgate:{tollgate}:audit`), so a change and its audit entry and
+    /// listing, or a completion's marks, are written in one call.
+    pub fn on_cluster(prefix: impl Into<String>) -> Self {
+        let prefix = prefix.into();
         Self {
-            prefix: format!("{{{prefix}}}"),
+            installation: format!("{prefix}:{{{prefix}}}"),
+            prefix,
         }
     }
 
@@ -163,15 +174,35 @@ impl Keys {
         self.route_key("penalty", route)
     }
 
+    /// Sorted set of the route's send times reserved and given back, still
+    /// ahead (`route.lua`): used when the route's keys live in another
+    /// slot than its tenants'.
+    pub fn route_holes(&self, route: &Kind) -> String {
+        self.route_key("holes", route)
+    }
+
+    /// A tenant's line on the route when the route's keys live in another
+    /// slot than its tenants' (`route.lua`, in the route's slot): a string,
+    /// its next free place.
+    pub fn route_line(&self, route: &Kind, tenant: &TenantId) -> String {
+        format!("{}:{tenant}", self.route_key("line", route))
+    }
+
+    /// Never written: stands in for the route's keys in a tenant's call
+    /// when those live in another slot (the route's side is its own call).
+    pub fn no_route(&self, tenant: &TenantId) -> String {
+        self.tenant_key("no-route", tenant)
+    }
+
     /// Hash `count`, `period_ms`, `burst`: the quota of tenants with none.
     pub fn default_quota(&self) -> String {
-        format!("{}:quota-default", self.prefix)
+        format!("{}:quota-default", self.installation)
     }
 
     /// Never written: the default quota does not adapt (it is shared by
     /// tenants whose providers' limits differ).
     pub fn default_adapt(&self) -> String {
-        format!("{}:adapt-default", self.prefix)
+        format!("{}:adapt-default", self.installation)
     }
 
     /// Sorted set: tenant -> when its current 10 s stats bucket began
@@ -179,17 +210,17 @@ impl Keys {
     /// if later (`QuotaStore::count_parked`): the console lists the tenants
     /// active in the last 10 minutes beside those with settings.
     pub fn active_tenants(&self) -> String {
-        format!("{}:active-tenants", self.prefix)
+        format!("{}:active-tenants", self.installation)
     }
 
     /// Set of tenants with stored settings (for `quota list`).
     pub fn tenants(&self) -> String {
-        format!("{}:tenants", self.prefix)
+        format!("{}:tenants", self.installation)
     }
 
     /// Set of routes with a stored quota.
     pub fn routes(&self) -> String {
-        format!("{}:routes", self.prefix)
+        format!("{}:routes", self.installation)
     }
 
     /// String: the fingerprint of the quota-baseline entry last applied to
@@ -204,30 +235,30 @@ impl Keys {
     }
 
     pub fn default_baseline_mark(&self) -> String {
-        format!("{}:baseline-default", self.prefix)
+        format!("{}:baseline-default", self.installation)
     }
 
     /// Hash: target label → baseline fingerprint, where installations
     /// before the marks above kept them. Read when seeding a target that
     /// has no mark yet, and emptied as marks are written.
     pub fn legacy_baseline_marks(&self) -> String {
-        format!("{}:baseline-applied", self.prefix)
+        format!("{}:baseline-applied", self.installation)
     }
 
     /// How many work queues may exist (`{prefix}.work.0` up to it): the
     /// largest `shards` declared whose queues are not all gone.
     pub fn work_queues(&self) -> String {
-        format!("{}:work-queues", self.prefix)
+        format!("{}:work-queues", self.installation)
     }
 
     /// String: who holds the fleet-wide lock `name` (expires).
     pub fn lock(&self, name: &str) -> String {
-        format!("{}:lock:{name}", self.prefix)
+        format!("{}:lock:{name}", self.installation)
     }
 
     /// Stream of every quota change: who, when, old → new.
     pub fn audit(&self) -> String {
-        format!("{}:audit", self.prefix)
+        format!("{}:audit", self.installation)
     }
 
     /// Pattern matching every key of this prefix (tests, demo, bench cleanup).
@@ -271,6 +302,9 @@ mod tests {
             keys.route_weights(&route),
             keys.route_adapt(&route),
             keys.route_penalty(&route),
+            keys.route_holes(&route),
+            keys.route_line(&route, &tenant),
+            keys.no_route(&tenant),
             keys.default_quota(),
             keys.default_adapt(),
             keys.active_tenants(),
@@ -287,16 +321,44 @@ mod tests {
     }
 
     #[test]
-    fn on_a_cluster_every_key_of_an_installation_shares_one_slot() {
-        let keys = Keys::in_one_slot("tollgate");
-        let slot = Slot::for_key("{tollgate}");
-        for key in every_key(&keys) {
-            assert!(key.starts_with("{tollgate}:"), "{key}");
-            assert_eq!(Slot::for_key(&key), slot, "{key}");
+    fn a_tenants_keys_share_its_slot_and_a_routes_keys_share_the_routes() {
+        let keys = Keys::new("tollgate");
+        let all = every_key(&keys);
+        let tenant = TenantId::parse("acme").unwrap();
+        let route = Kind::parse("email").unwrap();
+        let tenant_slot = Slot::for_key(keys.quota(&tenant));
+        let route_slot = Slot::for_key(keys.route_quota(&route));
+        assert_ne!(tenant_slot, route_slot);
+        assert_eq!(all[0], "tollgate:quota:{acme}");
+        for key in &all {
+            let slot = Slot::for_key(key);
+            if key.contains("{acme}") {
+                assert_eq!(slot, tenant_slot, "{key}");
+            } else if key.contains("{route:email}") {
+                assert_eq!(slot, route_slot, "{key}");
+            }
         }
-        // On one Redis, a tenant's keys keep their own tag (and their names).
-        let single = every_key(&Keys::new("tollgate"));
-        assert_eq!(single[0], "tollgate:quota:{acme}");
-        assert_ne!(Slot::for_key(&single[0]), Slot::for_key(&single[15]));
+        // On a cluster the installation's own keys share the prefix's slot.
+        let cluster = Keys::on_cluster("tollgate");
+        let own = [
+            cluster.default_quota(),
+            cluster.active_tenants(),
+            cluster.tenants(),
+            cluster.routes(),
+            cluster.legacy_baseline_marks(),
+            cluster.work_queues(),
+            cluster.lock("seed"),
+            cluster.audit(),
+        ];
+        for key in &own {
+            assert!(key.starts_with("tollgate:{tollgate}:"), "{key}");
+            assert_eq!(Slot::for_key(key), Slot::for_key("{tollgate}"), "{key}");
+        }
+        assert_eq!(cluster.quota(&tenant), keys.quota(&tenant));
+        // What a tenant's calls name, with the route's stand-in, is all in
+        // the tenant's slot; a share line (the route's) is the route's.
+        assert_eq!(Slot::for_key(keys.no_route(&tenant)), tenant_slot);
+        assert_eq!(Slot::for_key(keys.route_share(&route, &tenant)), route_slot);
+        assert_eq!(Slot::for_key(keys.route_holes(&route)), route_slot);
     }
 }

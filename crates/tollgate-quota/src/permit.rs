@@ -23,6 +23,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use redis::Script;
+use redis::cluster_routing::Slot;
 use tokio::sync::{mpsc, oneshot};
 use tollgate_core::ports::{
     Decided, Learned, Penalty, PermitRequest, PermitStore, PermitUse, ThrottleScope,
@@ -35,7 +36,14 @@ use crate::{Keys, QuotaError, Redis, Target};
 
 /// The permit and completion scripts, called in batches through
 /// `batch.lua`.
-static BATCH_LUA: &str = crate::lua!("adapt.lua", "complete.lua", "permit.lua", "batch.lua");
+static BATCH_LUA: &str = crate::lua!(
+    "adapt.lua",
+    "complete.lua",
+    "shares.lua",
+    "permit.lua",
+    "route.lua",
+    "batch.lua"
+);
 
 /// The permit script's keys, by name: the one place the Rust side writes
 /// its positional contract (`permit.lua` binds the same names in the same
@@ -88,7 +96,10 @@ impl PermitKeys {
         "route_adapt_key",
     ];
 
-    fn new(k: &Keys, req: &PermitRequest<'_>) -> Self {
+    /// `split`: the route's keys live in another slot (its side is a call
+    /// of its own), so a stand-in in the tenant's slot takes their places.
+    fn new(k: &Keys, req: &PermitRequest<'_>, split: bool) -> Self {
+        let route = |key: String| if split { k.no_route(req.tenant) } else { key };
         Self {
             tenant_quota_key: k.quota(req.tenant),
             tenant_tat_key: k.tat(req.tenant),
@@ -100,16 +111,16 @@ impl PermitKeys {
             lease_key: k.lease(req.tenant, req.key),
             cancelled_id_key: k.cancelled_id(req.tenant, req.job_id),
             cancelled_idempotency_key: k.cancelled_key(req.tenant, req.key),
-            route_quota_key: k.route_quota(req.route),
-            route_tat_key: k.route_tat(req.route),
-            route_share_key: k.route_share(req.route, req.tenant),
-            route_penalty_key: k.route_penalty(req.route),
+            route_quota_key: route(k.route_quota(req.route)),
+            route_tat_key: route(k.route_tat(req.route)),
+            route_share_key: route(k.route_share(req.route, req.tenant)),
+            route_penalty_key: route(k.route_penalty(req.route)),
             tenant_waiting_high_key: k.waiting_high(req.tenant),
             tenant_waiting_low_key: k.waiting_low(req.tenant),
-            route_active_key: k.route_active(req.route),
-            route_weights_key: k.route_weights(req.route),
+            route_active_key: route(k.route_active(req.route)),
+            route_weights_key: route(k.route_weights(req.route)),
             tenant_adapt_key: k.adapt(req.tenant),
-            route_adapt_key: k.route_adapt(req.route),
+            route_adapt_key: route(k.route_adapt(req.route)),
         }
     }
 
@@ -162,11 +173,12 @@ struct PermitArgs<'a> {
     tenant_name: &'a str,
     returning_share_place: Option<u64>,
     default_changed_ms: Option<u64>,
+    route_at: Option<u64>,
 }
 
 impl PermitArgs<'_> {
     #[cfg(test)]
-    const NAMES: [&'static str; 19] = [
+    const NAMES: [&'static str; 20] = [
         "default_count",
         "default_period_ms",
         "default_burst",
@@ -186,10 +198,11 @@ impl PermitArgs<'_> {
         "tenant_name",
         "returning_share_place",
         "default_changed_ms",
+        "route_at",
     ];
 
     /// In [`PermitArgs::NAMES`] order.
-    fn in_order(&self) -> [String; 19] {
+    fn in_order(&self) -> [String; 20] {
         let optional = |v: Option<u64>| v.map(|v| v.to_string()).unwrap_or_default();
         [
             self.default_count.to_string(),
@@ -211,6 +224,7 @@ impl PermitArgs<'_> {
             self.tenant_name.to_owned(),
             optional(self.returning_share_place),
             optional(self.default_changed_ms),
+            optional(self.route_at),
         ]
     }
 }
@@ -242,6 +256,9 @@ pub struct PermitSettings {
     pub denial_block: u32,
     /// How long this pod may use those slots (and a paused answer) locally.
     pub denial_cache_ttl: Duration,
+    /// Routes whose 429s are account-wide: every tenant of the route waits
+    /// out one, so on a Redis Cluster their jobs ask the route's slot.
+    pub account_wide: Vec<Kind>,
 }
 
 /// What this pod knows about one (tenant, route) without asking Redis.
@@ -323,7 +340,10 @@ impl Local {
                 share,
             } => {
                 self.waiting_until = Some(expires);
-                if !kept && slots > 1 {
+                if let Some(interval) = interval
+                    && !kept
+                    && slots > 1
+                {
                     self.slots = Some(Slots {
                         next: now + retry_in + interval,
                         interval,
@@ -337,7 +357,7 @@ impl Local {
                 }
                 PermitDecision::Denied {
                     retry_in,
-                    interval: Some(interval),
+                    interval,
                     kept,
                     share_place: share.map(|s| s.first),
                 }
@@ -371,6 +391,37 @@ pub struct RedisPermits {
     local: Mutex<HashMap<LocalKey, Arc<KeyState>>>,
     /// The stored default quota as this pod last read it, and when.
     default_copy: tokio::sync::Mutex<Option<(Instant, Option<StoredDefault>)>>,
+    /// The route's keys live in other slots than its tenants' (a Redis
+    /// Cluster): a job whose route has a quota takes its permit in a call
+    /// to each (`tollgate_core::cross_slot`).
+    split: bool,
+    /// Each route's quota as this pod last read it, and when.
+    route_copies: tokio::sync::Mutex<HashMap<Kind, (Instant, RouteCopy)>>,
+    /// Each tenant's pace as its slot last told this pod, for its share
+    /// of a route in the route's slot.
+    paces: Mutex<HashMap<TenantId, Pace>>,
+}
+
+/// What a tenant's share of a route is made of, from the tenant's quota.
+#[derive(Clone, Copy, Debug, Default)]
+struct Pace {
+    /// Its quota's spacing: its share counts only what it can use.
+    spacing: Option<Duration>,
+    /// Its weight, in thousandths.
+    weight: Option<u64>,
+}
+
+/// Tenants whose pace a pod keeps, at most (then it starts afresh).
+const PACES_MAX: usize = 100_000;
+
+/// What a pod keeps of a route's quota when the route's keys live in
+/// another slot: whether its jobs ask there.
+#[derive(Clone, Copy, Debug, Default)]
+struct RouteCopy {
+    /// The route has a quota, or its 429s are account-wide.
+    asks: bool,
+    /// Its quota adapts: its completions learn there.
+    adaptive: bool,
 }
 
 /// How old this pod's copy of the stored default quota may be: a change of
@@ -413,6 +464,12 @@ enum Group {
     Permit,
     /// A completion (`complete.lua`).
     Complete,
+    /// A send time reserved on a route's slot (`route.lua`).
+    RouteReserve,
+    /// A route's send time given back (`route.lua`).
+    RouteGiveBack,
+    /// A route's side of a completion (`route.lua`).
+    RouteComplete,
 }
 
 impl Group {
@@ -420,6 +477,9 @@ impl Group {
         match self {
             Group::Permit => 'p',
             Group::Complete => 'c',
+            Group::RouteReserve => 'r',
+            Group::RouteGiveBack => 'g',
+            Group::RouteComplete => 'R',
         }
     }
 }
@@ -506,53 +566,76 @@ async fn call_in_batches(
 ) {
     let mut batch = Vec::with_capacity(BATCH_MAX);
     while queue.recv_many(&mut batch, BATCH_MAX).await > 0 {
-        let mut invocation = script.prepare_invoke();
-        invocation.arg(batch.iter().map(|c| c.group.letter()).collect::<String>());
-        for c in &batch {
-            for key in &c.keys {
-                invocation.key(key);
-            }
-            for arg in &c.args {
-                invocation.arg(arg);
-            }
+        if !redis.is_cluster() {
+            call_once(&redis, &script, std::mem::take(&mut batch), &clock).await;
+            continue;
         }
-        // Taking a connection counts in the round trip: it only loosens the
-        // bound on the clocks' offset, and the quickest round trip wins.
-        let sent = wall_clock_micros();
-        let replies = match redis.conn().await {
-            Ok(mut conn) => invocation
-                .invoke_async::<Vec<Vec<i64>>>(&mut conn)
-                .await
-                .map_err(|e| redis.classify(e)),
-            Err(e) => Err(e),
-        };
-        if let Ok(replies) = &replies {
-            // A grant is `{0, delay, _, send}`: Redis's clock read `send - delay`.
-            let remote = batch.iter().zip(replies).find_map(|(c, r)| {
-                (c.reads_clock && matches!(c.group, Group::Permit) && r.len() > 3 && r[0] == 0)
-                    .then(|| r[3] - r[1])
-            });
-            if let Some(remote) = remote {
-                let received = wall_clock_micros();
-                clock
-                    .lock()
-                    .expect("not poisoned")
-                    .observe(sent, received, remote);
-            }
+        // On a cluster a call may name the keys of one slot only: one call
+        // per slot, all in flight at once. Each group's keys share its
+        // first key's slot (the callers' layout: a tenant's keys, or a
+        // route's).
+        let mut by_slot: HashMap<Slot, Vec<Call>> = HashMap::new();
+        for call in batch.drain(..) {
+            let slot = Slot::for_key(call.keys.first().map_or("", String::as_str));
+            by_slot.entry(slot).or_default().push(call);
         }
-        let replies: Vec<_> = match replies {
-            Ok(r) if r.len() == batch.len() => r.into_iter().map(Ok).collect(),
-            Ok(r) => {
-                let e =
-                    QuotaError::BadReply(format!("{} replies to {} calls", r.len(), batch.len()));
-                batch.iter().map(|_| Err(e.clone())).collect()
-            }
-            Err(e) => batch.iter().map(|_| Err(e.clone())).collect(),
-        };
-        for (c, reply) in batch.drain(..).zip(replies) {
-            // The job may have stopped waiting; its call was made anyway.
-            let _ = c.done.send(reply);
+        let mut calls = tokio::task::JoinSet::new();
+        for (_, of_slot) in by_slot {
+            let (redis, script, clock) = (Arc::clone(&redis), script.clone(), Arc::clone(&clock));
+            calls.spawn(async move { call_once(&redis, &script, of_slot, &clock).await });
         }
+        while calls.join_next().await.is_some() {}
+    }
+}
+
+/// One call of `batch.lua` for `batch`; each caller gets its own group's
+/// reply.
+async fn call_once(redis: &Redis, script: &Script, batch: Vec<Call>, clock: &Mutex<ClockOffset>) {
+    let mut invocation = script.prepare_invoke();
+    invocation.arg(batch.iter().map(|c| c.group.letter()).collect::<String>());
+    for c in &batch {
+        for key in &c.keys {
+            invocation.key(key);
+        }
+        for arg in &c.args {
+            invocation.arg(arg);
+        }
+    }
+    // Taking a connection counts in the round trip: it only loosens the
+    // bound on the clocks' offset, and the quickest round trip wins.
+    let sent = wall_clock_micros();
+    let replies = match redis.conn().await {
+        Ok(mut conn) => invocation
+            .invoke_async::<Vec<Vec<i64>>>(&mut conn)
+            .await
+            .map_err(|e| redis.classify(e)),
+        Err(e) => Err(e),
+    };
+    if let Ok(replies) = &replies {
+        // A grant is `{0, delay, _, send}`: Redis's clock read `send - delay`.
+        let remote = batch.iter().zip(replies).find_map(|(c, r)| {
+            (c.reads_clock && matches!(c.group, Group::Permit) && r.len() > 3 && r[0] == 0)
+                .then(|| r[3] - r[1])
+        });
+        if let Some(remote) = remote {
+            let received = wall_clock_micros();
+            clock
+                .lock()
+                .expect("not poisoned")
+                .observe(sent, received, remote);
+        }
+    }
+    let replies: Vec<_> = match replies {
+        Ok(r) if r.len() == batch.len() => r.into_iter().map(Ok).collect(),
+        Ok(r) => {
+            let e = QuotaError::BadReply(format!("{} replies to {} calls", r.len(), batch.len()));
+            batch.iter().map(|_| Err(e.clone())).collect()
+        }
+        Err(e) => batch.iter().map(|_| Err(e.clone())).collect(),
+    };
+    for (c, reply) in batch.into_iter().zip(replies) {
+        // The job may have stopped waiting; its call was made anyway.
+        let _ = c.done.send(reply);
     }
 }
 
@@ -567,6 +650,20 @@ struct KeyState {
     local: tokio::sync::Mutex<Local>,
 }
 
+/// A tenant's slot's answer ([`RedisPermits::decide_on_tenant`]).
+struct Tenant {
+    reply: Reply,
+    /// For a grant on Redis's own clock, when Redis made it on this pod's.
+    made: Option<UnixMillis>,
+    /// For a grant of a route's send time, how far past it the tenant's
+    /// slot's clock already was.
+    late: Duration,
+    /// The tenant's spacing, when the answer says it.
+    spacing: Option<Duration>,
+    /// The tenant's weight (thousandths), when the answer says it.
+    weight: Option<u64>,
+}
+
 /// The script's reply, before the local cache interprets it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Reply {
@@ -576,7 +673,9 @@ pub enum Reply {
     /// are on the tenant's share of a route.
     Denied {
         retry_in: Duration,
-        interval: Duration,
+        /// The spacing of the tenant's places (none: the route's slot
+        /// denied it, before the tenant was asked).
+        interval: Option<Duration>,
         slots: u32,
         kept: bool,
         share: Option<SharePlaces>,
@@ -585,6 +684,7 @@ pub enum Reply {
 
 impl RedisPermits {
     pub fn new(redis: Arc<Redis>, keys: Keys, settings: PermitSettings) -> Self {
+        let split = redis.is_cluster();
         Self {
             calls: Batched::new(Arc::clone(&redis)),
             redis,
@@ -592,7 +692,43 @@ impl RedisPermits {
             settings,
             local: Mutex::new(HashMap::new()),
             default_copy: tokio::sync::Mutex::new(None),
+            split,
+            route_copies: tokio::sync::Mutex::default(),
+            paces: Mutex::default(),
         }
+    }
+
+    /// Decides as on a Redis Cluster whatever the Redis: each route's side
+    /// in a call of its own. Tests run the cluster's protocol on one Redis
+    /// with it.
+    pub fn splitting_routes(mut self) -> Self {
+        self.split = true;
+        self
+    }
+
+    /// Whether a job on `route` asks the route's slot first, and learns
+    /// there: the route has a quota (as read at most [`DEFAULT_COPY_FOR`]
+    /// ago), or its 429s are account-wide (its penalty is there).
+    async fn route_copy(&self, route: &Kind) -> Result<RouteCopy, QuotaError> {
+        let mut copies = self.route_copies.lock().await;
+        if let Some(&(read, copy)) = copies.get(route)
+            && read.elapsed() < DEFAULT_COPY_FOR
+        {
+            return Ok(copy);
+        }
+        let mut conn = self.redis.conn().await?;
+        let (count, adaptive): (Option<String>, Option<String>) = redis::cmd("HMGET")
+            .arg(self.keys.route_quota(route))
+            .arg(&["count", "adaptive"])
+            .query_async(&mut conn)
+            .await
+            .map_err(|e| self.redis.classify(e))?;
+        let copy = RouteCopy {
+            asks: count.is_some() || self.settings.account_wide.contains(route),
+            adaptive: count.is_some() && adaptive.as_deref() == Some("1"),
+        };
+        copies.insert(route.clone(), (Instant::now(), copy));
+        Ok(copy)
     }
 
     /// The stored default quota (none stored: `None`), read again once this
@@ -645,12 +781,168 @@ impl RedisPermits {
 
     /// [`Self::decide`], and for a grant on Redis's own clock, when Redis
     /// made it on this pod's clock (its `delay` counts from then).
+    ///
+    /// When the route's keys live in another slot and the route has a
+    /// quota, in up to three calls (`tollgate_core::cross_slot`): the
+    /// route's slot reserves a send time; the tenant's takes exactly that
+    /// time or refuses it; a time refused (or not used: a duplicate, a
+    /// cancelled job) is given back to the route.
     async fn decide_made(
         &self,
         req: PermitRequest<'_>,
         slots: u32,
         now_micros: Option<u64>,
     ) -> Result<(Reply, Option<UnixMillis>), QuotaError> {
+        if !self.split || !self.route_copy(req.route).await?.asks {
+            let tenant = self.decide_on_tenant(req, slots, now_micros, None).await?;
+            return Ok((tenant.reply, tenant.made));
+        }
+        let s = &self.settings;
+        let window = micros(req.reserve_within.unwrap_or(s.horizon).min(s.horizon));
+        // A job back for its place on the tenant's line was told to come
+        // back the window before it (the tenant's script says so): the
+        // route's time is sought from its place on. A job back for a place
+        // on the route's line brings it. A fresh job asks from now.
+        let not_before = req.returning.map_or(0, |r| micros(r.remaining) + window);
+        let place = req.returning.and_then(|r| r.share_place);
+        let pacing = (1.0 + s.pacing_margin).to_string();
+        let now_arg = now_micros.map(|n| n.to_string()).unwrap_or_default();
+        let k = &self.keys;
+        let pace = self
+            .paces
+            .lock()
+            .expect("not poisoned")
+            .get(req.tenant)
+            .copied();
+        let pace = pace.unwrap_or_default();
+        let spacing = pace.spacing.map(|i| micros(i).to_string());
+        let weight = pace.weight.map(|w| format!("{:.3}", w as f64 / 1000.0));
+        let reserved = self
+            .calls
+            .call(
+                Group::RouteReserve,
+                vec![
+                    k.route_quota(req.route),
+                    k.route_tat(req.route),
+                    k.route_holes(req.route),
+                    k.route_penalty(req.route),
+                    k.route_adapt(req.route),
+                    k.route_line(req.route, req.tenant),
+                    k.route_active(req.route),
+                    k.route_weights(req.route),
+                ],
+                vec![
+                    not_before.to_string(),
+                    window.to_string(),
+                    pacing.clone(),
+                    micros(s.horizon).to_string(),
+                    now_arg.clone(),
+                    place.map(|p| p.to_string()).unwrap_or_default(),
+                    req.tenant.as_str().to_owned(),
+                    spacing.unwrap_or_default(),
+                    weight.unwrap_or_default(),
+                ],
+                false,
+            )
+            .await?;
+        let at =
+            |i: usize| Duration::from_micros(reserved.get(i).copied().unwrap_or(0).max(0) as u64);
+        match reserved.first().copied() {
+            Some(0) if reserved.len() > 4 => {}
+            // No quota on the route (this pod's copy was old): the tenant's
+            // decision is the whole of it.
+            Some(7) => {
+                let tenant = self.decide_on_tenant(req, slots, now_micros, None).await?;
+                return Ok((tenant.reply, tenant.made));
+            }
+            // Nothing reserved: ask again then (for a place on the route's
+            // line, if given one). A job back for its place keeps it.
+            Some(1 | 8) => {
+                let share = match (reserved.get(2), reserved.get(3)) {
+                    (Some(&first), Some(&step)) if first > 0 && step > 0 => Some(SharePlaces {
+                        first: first as u64,
+                        step: step as u64,
+                    }),
+                    _ => None,
+                };
+                let denied = Reply::Denied {
+                    retry_in: at(1),
+                    interval: req.returning.and_then(|r| r.interval),
+                    slots: 1,
+                    kept: req.returning.is_some(),
+                    share,
+                };
+                return Ok((denied, None));
+            }
+            _ => return Err(QuotaError::BadReply(format!("route {reserved:?}"))),
+        }
+        let route_at = reserved[2].max(0) as u64;
+        let route_leeway = at(3);
+        let Tenant {
+            reply,
+            made,
+            late,
+            spacing,
+            weight,
+        } = self
+            .decide_on_tenant(req, slots, now_micros, Some(route_at))
+            .await?;
+        {
+            let mut paces = self.paces.lock().expect("not poisoned");
+            if paces.len() >= PACES_MAX {
+                paces.clear();
+            }
+            let pace = paces.entry(req.tenant.clone()).or_default();
+            pace.spacing = spacing.or(pace.spacing);
+            pace.weight = weight.or(pace.weight);
+        }
+        let Reply::Decision(PermitDecision::Granted {
+            delay,
+            shadow,
+            leeway,
+        }) = reply
+        else {
+            let given_back = self
+                .calls
+                .call(
+                    Group::RouteGiveBack,
+                    vec![
+                        k.route_holes(req.route),
+                        k.route_quota(req.route),
+                        k.route_adapt(req.route),
+                    ],
+                    vec![route_at.to_string(), pacing, now_arg],
+                    false,
+                )
+                .await;
+            if let Err(e) = given_back {
+                // Lost: the route's capacity at that time goes unused, no
+                // send goes beyond a limit.
+                tracing::warn!(route = req.route.as_str(), error = %e, "could not give a route's send time back");
+            }
+            return Ok((reply, made));
+        };
+        // The tenant's slot may have read its clock after the route's time
+        // (a round trip later): the send is that late already, and the call
+        // may begin only what is left of the leeway after it.
+        let leeway = leeway.min(route_leeway).saturating_sub(late);
+        let granted = PermitDecision::Granted {
+            delay,
+            shadow,
+            leeway,
+        };
+        Ok((Reply::Decision(granted), made))
+    }
+
+    /// One decision of the permit script. `route_at`: the send time the
+    /// route's slot reserved ([`Self::decide_made`]).
+    async fn decide_on_tenant(
+        &self,
+        req: PermitRequest<'_>,
+        slots: u32,
+        now_micros: Option<u64>,
+        route_at: Option<u64>,
+    ) -> Result<Tenant, QuotaError> {
         let s = &self.settings;
         let d = self.default_quota().await?.unwrap_or(StoredDefault {
             count: s.default_quota.rate.count,
@@ -676,10 +968,18 @@ impl RedisPermits {
             reserve_us: micros(req.reserve_within.unwrap_or(s.horizon).min(s.horizon)),
             priority: req.priority,
             tenant_name: req.tenant.as_str(),
-            returning_share_place: req.returning.and_then(|r| r.share_place),
+            // With the route's keys in another slot, a place on the route's
+            // line is the route's call's (`decide_made`).
+            returning_share_place: req
+                .returning
+                .and_then(|r| r.share_place)
+                .filter(|_| !self.split),
             default_changed_ms: d.changed_ms,
+            route_at,
         };
-        let keys = PermitKeys::new(&self.keys, &req).in_order().into();
+        let keys = PermitKeys::new(&self.keys, &req, self.split)
+            .in_order()
+            .into();
         let reply = self
             .calls
             .call(
@@ -713,27 +1013,35 @@ impl RedisPermits {
                     shadow,
                     leeway: at(4),
                 };
-                return Ok((Reply::Decision(granted), made));
+                return Ok(Tenant {
+                    reply: Reply::Decision(granted),
+                    made,
+                    late: at(5),
+                    spacing: Some(at(6)).filter(|s| !s.is_zero()),
+                    weight: reply.get(7).map(|&w| w.max(0) as u64),
+                });
             }
             Some(1) => {
-                return Ok((
-                    Reply::Denied {
-                        retry_in: at(1),
-                        interval: at(2),
-                        slots: reply.get(3).copied().unwrap_or(1).max(1) as u32,
-                        kept: reply.get(4) == Some(&1),
-                        share: match (reply.get(5), reply.get(6)) {
-                            (Some(&first), Some(&step)) if first > 0 && step > 0 => {
-                                Some(SharePlaces {
-                                    first: first as u64,
-                                    step: step as u64,
-                                })
-                            }
-                            _ => None,
-                        },
+                let denied = Reply::Denied {
+                    retry_in: at(1),
+                    interval: Some(at(2)),
+                    slots: reply.get(3).copied().unwrap_or(1).max(1) as u32,
+                    kept: reply.get(4) == Some(&1),
+                    share: match (reply.get(5), reply.get(6)) {
+                        (Some(&first), Some(&step)) if first > 0 && step > 0 => Some(SharePlaces {
+                            first: first as u64,
+                            step: step as u64,
+                        }),
+                        _ => None,
                     },
-                    None,
-                ));
+                };
+                return Ok(Tenant {
+                    reply: denied,
+                    made: None,
+                    late: Duration::ZERO,
+                    spacing: Some(at(2)),
+                    weight: None,
+                });
             }
             Some(2) => PermitDecision::Duplicate,
             Some(3) => PermitDecision::InFlight { retry_in: at(1) },
@@ -742,7 +1050,13 @@ impl RedisPermits {
             Some(6) => PermitDecision::AtConcurrency { retry_in: at(1) },
             _ => return Err(QuotaError::BadReply(format!("{reply:?}"))),
         };
-        Ok((Reply::Decision(decision), None))
+        Ok(Tenant {
+            reply: Reply::Decision(decision),
+            made: None,
+            late: Duration::ZERO,
+            spacing: None,
+            weight: None,
+        })
     }
 
     /// A grant's send time (Redis's clock, microseconds) and its `delay`,
@@ -764,21 +1078,34 @@ impl RedisPermits {
         due_lag: Option<Duration>,
         now_micros: Option<u64>,
     ) -> Result<Learned, QuotaError> {
-        let scope = match penalty.map(|p| p.scope) {
-            Some(ThrottleScope::Route) => "route",
-            _ => "tenant",
+        // The route's side is a call of its own when its keys live in
+        // another slot.
+        let elsewhere = self.split;
+        let account_wide = matches!(penalty.map(|p| p.scope), Some(ThrottleScope::Route));
+        let scope = match (account_wide, elsewhere) {
+            (true, true) => "elsewhere",
+            (true, false) => "route",
+            (false, _) => "tenant",
+        };
+        let k = &self.keys;
+        let route = |key: String| {
+            if elsewhere {
+                k.no_route(req.tenant)
+            } else {
+                key
+            }
         };
         let keys = vec![
-            self.keys.sent(req.tenant, req.key),
-            self.keys.lease(req.tenant, req.key),
-            self.keys.in_flight(req.tenant),
-            self.keys.penalty(req.tenant),
-            self.keys.route_penalty(req.route),
-            self.keys.quota(req.tenant),
-            self.keys.adapt(req.tenant),
-            self.keys.route_quota(req.route),
-            self.keys.route_adapt(req.route),
-            self.keys.stats(req.tenant),
+            k.sent(req.tenant, req.key),
+            k.lease(req.tenant, req.key),
+            k.in_flight(req.tenant),
+            k.penalty(req.tenant),
+            route(k.route_penalty(req.route)),
+            k.quota(req.tenant),
+            k.adapt(req.tenant),
+            route(k.route_quota(req.route)),
+            route(k.route_adapt(req.route)),
+            k.stats(req.tenant),
         ];
         let args = vec![
             req.lease_token.to_owned(),
@@ -804,19 +1131,102 @@ impl RedisPermits {
                 .copied()
                 .ok_or_else(|| QuotaError::BadReply(format!("completion {reply:?}")))
         };
-        let rate = |i: usize| value(i).map(|milli| (milli >= 0).then(|| milli as f64 / 1000.0));
-        let learned = Learned {
-            tenant: rate(1)?,
-            route: rate(2)?,
+        let rate = |milli: i64| (milli >= 0).then(|| milli as f64 / 1000.0);
+        let mut learned = Learned {
+            tenant: rate(value(1)?),
+            route: rate(value(2)?),
         };
-        let afterwards = Afterwards {
+        let mut afterwards = Afterwards {
             bucket_began_s: value(3)?,
             tenant_audit: (value(4)?, value(5)?),
             route_audit: (value(6)?, value(7)?),
             at_ms: value(8)?,
         };
+        if elsewhere {
+            match self
+                .record_on_route(&req, used, penalty, learned.tenant.is_none(), now_micros)
+                .await
+            {
+                Ok(Some((rate, audit, at_ms))) => {
+                    learned.route = rate;
+                    afterwards.route_audit = audit;
+                    if afterwards.at_ms == 0 {
+                        afterwards.at_ms = at_ms;
+                    }
+                }
+                Ok(None) => {}
+                // The tenant's side is written (the sent record with it):
+                // running it again would count the outcome twice. What is
+                // lost is the route's learning from this outcome, or an
+                // account-wide 429's pause on other pods.
+                Err(e) => {
+                    tracing::warn!(route = req.route.as_str(), error = %e, "could not record a completion on the route's slot");
+                }
+            }
+        }
         self.record_afterwards(&req, afterwards).await;
         Ok(learned)
+    }
+
+    /// A completion's side on the route's slot, when its keys live in
+    /// another slot than the tenant's: an account-wide 429's penalty, and
+    /// what the route's adaptive quota learns (a 429 the tenant's quota did
+    /// not learn from is the route's, as `complete.lua` does in one slot).
+    /// Returns the route's effective rate, an adjustment to audit and when,
+    /// if the route was called.
+    async fn record_on_route(
+        &self,
+        req: &PermitRequest<'_>,
+        used: PermitUse,
+        penalty: Option<Penalty>,
+        tenant_did_not_learn: bool,
+        now_micros: Option<u64>,
+    ) -> Result<Option<(Option<f64>, (i64, i64), i64)>, QuotaError> {
+        let account_wide = matches!(penalty.map(|p| p.scope), Some(ThrottleScope::Route));
+        let outcome = match (penalty, used) {
+            (Some(_), _) if account_wide || tenant_did_not_learn => "throttled",
+            (None, PermitUse::Sent) => "sent",
+            _ => "",
+        };
+        let copy = self.route_copy(req.route).await?;
+        let outcome = if copy.adaptive { outcome } else { "" };
+        let route_penalty = penalty.filter(|_| account_wide);
+        if outcome.is_empty() && route_penalty.is_none() {
+            return Ok(None);
+        }
+        let k = &self.keys;
+        let reply = self
+            .calls
+            .call(
+                Group::RouteComplete,
+                vec![
+                    k.route_penalty(req.route),
+                    k.route_quota(req.route),
+                    k.route_adapt(req.route),
+                ],
+                vec![
+                    route_penalty
+                        .map(|p| micros(p.wait))
+                        .unwrap_or(0)
+                        .to_string(),
+                    now_micros.map(|n| n.to_string()).unwrap_or_default(),
+                    outcome.to_owned(),
+                ],
+                false,
+            )
+            .await?;
+        let value = |i: usize| {
+            reply
+                .get(i)
+                .copied()
+                .ok_or_else(|| QuotaError::BadReply(format!("route completion {reply:?}")))
+        };
+        let rate = value(1)?;
+        Ok(Some((
+            (rate >= 0).then(|| rate as f64 / 1000.0),
+            (value(2)?, value(3)?),
+            value(4)?,
+        )))
     }
 
     /// What a completion leaves to write outside the tenant's slot: the
@@ -999,7 +1409,7 @@ impl PermitStore for RedisPermits {
     }
 
     async fn ping(&self) -> Result<(), QuotaError> {
-        self.redis.ping(&self.keys.audit()).await
+        self.redis.ping().await
     }
 
     async fn complete(
@@ -1015,6 +1425,8 @@ impl PermitStore for RedisPermits {
 
 #[cfg(test)]
 mod contract {
+    use std::collections::HashSet;
+
     use super::*;
 
     static PERMIT_LUA: &str = include_str!("lua/permit.lua");
@@ -1065,21 +1477,30 @@ mod contract {
             .filter(|l| l.contains("KEYS[") || l.contains("ARGV["))
             .collect();
         assert!(positional.is_empty(), "{positional:?}");
-        // The key builder fills every key.
-        let keys = PermitKeys::new(
-            &Keys::new("p"),
-            &PermitRequest {
-                tenant: &TenantId::parse("acme").unwrap(),
-                route: &Kind::default_kind(),
-                job_id: &tollgate_core::JobId::parse("j").unwrap(),
-                key: &tollgate_core::IdempotencyKey::parse("k").unwrap(),
-                priority: Priority::Normal,
-                lease_token: "t",
-                returning: None,
-                reserve_within: None,
-            },
+        // The key builder fills every key; with the route's side in a call
+        // of its own, every key is in the tenant's slot.
+        let tenant = TenantId::parse("acme").unwrap();
+        let req = PermitRequest {
+            tenant: &tenant,
+            route: &Kind::default_kind(),
+            job_id: &tollgate_core::JobId::parse("j").unwrap(),
+            key: &tollgate_core::IdempotencyKey::parse("k").unwrap(),
+            priority: Priority::Normal,
+            lease_token: "t",
+            returning: None,
+            reserve_within: None,
+        };
+        let keys = PermitKeys::new(&Keys::new("p"), &req, false).in_order();
+        assert!(keys.iter().all(|k| k.starts_with("p:")));
+        let slots: HashSet<Slot> = keys.iter().map(Slot::for_key).collect();
+        assert!(slots.len() > 1, "the route's keys are in its own slot");
+        let split = PermitKeys::new(&Keys::new("p"), &req, true).in_order();
+        assert!(
+            split
+                .iter()
+                .all(|k| Slot::for_key(k) == Slot::for_key("{acme}")),
+            "{split:?}"
         );
-        assert!(keys.in_order().iter().all(|k| k.starts_with("p:")));
     }
 }
 

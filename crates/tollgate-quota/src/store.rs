@@ -688,17 +688,32 @@ impl QuotaStore {
         let mut conn = self.redis.conn().await?;
         let at_ms = self.now_ms(&mut conn).await?;
         let mut pipe = redis::pipe();
-        pipe.atomic()
-            .cmd("SET")
+        pipe.cmd("SET")
             .arg(&key)
             .arg(&actor.who)
             .arg("PX")
             .arg(ttl.as_millis() as u64)
             .ignore();
+        let mut audit = redis::pipe();
         let target = Target::Tenant(tenant.clone()).label();
         let new = format!("{{\"cancelled\":{}}}", json_string(&what));
-        self.audit_entry(&mut pipe, &target, "cancel", actor, at_ms, &new);
-        pipe.query_async::<()>(&mut conn)
+        self.audit_entry(&mut audit, &target, "cancel", actor, at_ms, &new);
+        if self.redis.is_cluster() {
+            // Two slots, the tenant's and the installation's: the
+            // cancellation first, then its audit entry.
+            pipe.query_async::<()>(&mut conn)
+                .await
+                .map_err(|e| self.redis.classify(e))?;
+            return audit
+                .query_async::<()>(&mut conn)
+                .await
+                .map_err(|e| self.redis.classify(e));
+        }
+        for cmd in audit.cmd_iter() {
+            pipe.add_command(cmd.clone()).ignore();
+        }
+        pipe.atomic()
+            .query_async::<()>(&mut conn)
             .await
             .map_err(|e| self.redis.classify(e))
     }
@@ -821,34 +836,19 @@ impl QuotaStore {
 
     /// Deletes every key under this prefix (tests, demo, bench cleanup).
     pub async fn purge_prefix(&self) -> Result<u64, QuotaError> {
+        let keys = self.redis.keys_matching(&self.keys.all_pattern()).await?;
         let mut conn = self.redis.conn().await?;
-        let pattern = self.keys.all_pattern();
-        let mut cursor: u64 = 0;
         let mut deleted = 0;
-        loop {
-            let mut scan = redis::cmd("SCAN");
-            scan.arg(cursor)
-                .arg("MATCH")
-                .arg(&pattern)
-                .arg("COUNT")
-                .arg(1000);
-            // On a cluster, every key of the prefix is on its slot's node.
-            let (next, batch): (u64, Vec<String>) = conn
-                .query_near(&scan, &self.keys.audit())
+        for chunk in keys.chunks(1000) {
+            // On a cluster the keys of several slots: the connection splits
+            // the command by slot and adds the counts up.
+            deleted += redis::cmd("UNLINK")
+                .arg(chunk)
+                .query_async::<u64>(&mut conn)
                 .await
                 .map_err(|e| self.redis.classify(e))?;
-            if !batch.is_empty() {
-                deleted += redis::cmd("UNLINK")
-                    .arg(&batch)
-                    .query_async::<u64>(&mut conn)
-                    .await
-                    .map_err(|e| self.redis.classify(e))?;
-            }
-            if next == 0 {
-                return Ok(deleted);
-            }
-            cursor = next;
         }
+        Ok(deleted)
     }
 }
 

@@ -445,6 +445,12 @@ impl Config {
             concurrency_retry: Duration::from_millis(self.concurrency_retry_ms),
             denial_block: self.denial_block.max(1),
             denial_cache_ttl: Duration::from_millis(self.denial_cache_ms),
+            account_wide: self
+                .routes()?
+                .into_iter()
+                .filter(|r| r.throttle_scope == ThrottleScope::Route)
+                .map(|r| tollgate_core::Kind::parse(&r.kind))
+                .collect::<Result<_, _>>()?,
         })
     }
 

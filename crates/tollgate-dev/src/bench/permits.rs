@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use serde_json::json;
 use tollgate_core::ports::{PermitRequest, PermitStore};
 use tollgate_core::{IdempotencyKey, JobId, Kind, Quota, TenantId};
-use tollgate_quota::{QuotaStore, Redis, RedisPermits};
+use tollgate_quota::{Actor, Change, QuotaStore, Redis, RedisPermits, Target};
 
 use super::throughput::client_round_trips;
 use super::{BenchArgs, Figure, Scenario, progress};
@@ -17,22 +17,55 @@ use tollgate::config::Config;
 
 const IN_FLIGHT: usize = 64;
 
+/// Tenants of the Redis Cluster comparison: spread over the masters.
+const SPREAD_TENANTS: usize = 8;
+
+/// Who asks for permits in a measurement.
+#[derive(Clone, Copy)]
+struct Load {
+    /// Tenants, each with a quota that never holds it back; jobs go to each
+    /// in turn.
+    tenants: usize,
+    /// The route has a quota (never holding it back either): on a cluster
+    /// each decision is a call to the route's slot and one to the
+    /// tenant's.
+    route_quota: bool,
+}
+
+const ONE_TENANT: Load = Load {
+    tenants: 1,
+    route_quota: false,
+};
+const SPREAD: Load = Load {
+    tenants: SPREAD_TENANTS,
+    route_quota: false,
+};
+const SPREAD_ON_A_ROUTE: Load = Load {
+    tenants: SPREAD_TENANTS,
+    route_quota: true,
+};
+
 pub async fn run(base: &Config, args: &BenchArgs) -> anyhow::Result<Scenario> {
     let (mut permit, mut trivial, mut trips) = (vec![], vec![], vec![]);
+    let (mut spread, mut on_a_route) = (vec![], vec![]);
     for i in 1..=args.runs {
         progress(&format!(
             "permit path {i}/{}: permit script vs trivial EVALSHA",
             args.runs
         ));
         let window = Duration::from_secs(args.permit_seconds);
-        let (rate, per_decision) = permit_script(base, window).await?;
+        let (rate, per_decision) = permit_script(base, window, ONE_TENANT).await?;
         permit.push(rate);
         trips.push(per_decision);
         trivial.push(trivial_script(base, window).await?);
+        spread.push(permit_script(base, window, SPREAD).await?.0);
+        on_a_route.push(permit_script(base, window, SPREAD_ON_A_ROUTE).await?.0);
     }
     let ratios = permit.iter().zip(&trivial).map(|(p, t)| p / t).collect();
-    let on_cluster = on_a_redis_cluster(base, args).await?;
-    let cluster_ratios = on_cluster.iter().zip(&permit).map(|(c, p)| c / p).collect();
+    let (cluster_spread, cluster_on_a_route) = on_a_redis_cluster(base, args).await?;
+    let ratio = |a: &[f64], b: &[f64]| a.iter().zip(b).map(|(a, b)| a / b).collect::<Vec<_>>();
+    let spread_ratios = ratio(&cluster_spread, &spread);
+    let on_a_route_ratios = ratio(&cluster_on_a_route, &on_a_route);
     Ok(Scenario {
         key: "permit_path",
         title: "Permit path",
@@ -41,26 +74,53 @@ pub async fn run(base: &Config, args: &BenchArgs) -> anyhow::Result<Scenario> {
             "runs": args.runs,
             "in_flight": IN_FLIGHT,
             "cluster": "a private Redis Cluster of 3 masters and 3 replicas on this machine \
-                (scripts/clusters.sh), the installation's keys in one slot",
+                (scripts/clusters.sh), on the same 2 cores as the single Redis",
+            "spread": format!("{SPREAD_TENANTS} tenants in turn, each in its own slot"),
+            "on a route": "the same, their route with a quota: on a cluster a call to the \
+                route's slot and one to the tenant's per decision",
         }),
         figures: vec![
             Figure::new("permit script", "decisions/s", permit),
             Figure::new("trivial EVALSHA", "calls/s", trivial),
             Figure::new("permit / trivial", "ratio", ratios),
             Figure::new("Redis round trips per decision", "calls", trips).target("<= 1"),
+            Figure::new("spread tenants, single Redis", "decisions/s", spread),
             Figure::new(
-                "permit script on a Redis Cluster",
+                "spread tenants, Redis Cluster",
                 "decisions/s",
-                on_cluster,
+                cluster_spread,
             ),
-            Figure::new("Redis Cluster / single Redis", "ratio", cluster_ratios),
+            Figure::new(
+                "spread tenants, Redis Cluster / single Redis",
+                "ratio",
+                spread_ratios,
+            ),
+            Figure::new(
+                "on a route with a quota, single Redis",
+                "decisions/s",
+                on_a_route,
+            ),
+            Figure::new(
+                "on a route with a quota, Redis Cluster",
+                "decisions/s",
+                cluster_on_a_route,
+            ),
+            Figure::new(
+                "on a route with a quota, Redis Cluster / single Redis",
+                "ratio",
+                on_a_route_ratios,
+            ),
         ],
     })
 }
 
 /// The permit script's decisions/s on a private Redis Cluster, started
-/// for the measurement and stopped after it.
-async fn on_a_redis_cluster(base: &Config, args: &BenchArgs) -> anyhow::Result<Vec<f64>> {
+/// for the measurement and stopped after it: tenants spread, then on a
+/// route with a quota.
+async fn on_a_redis_cluster(
+    base: &Config,
+    args: &BenchArgs,
+) -> anyhow::Result<(Vec<f64>, Vec<f64>)> {
     let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/clusters.sh");
     let dir = std::env::temp_dir().join(format!(
         "tollgate-bench-cluster-{}",
@@ -94,13 +154,14 @@ async fn on_a_redis_cluster(base: &Config, args: &BenchArgs) -> anyhow::Result<V
             redis_url: tollgate_core::SecretUrl::new(urls.join(",")),
             ..base.clone()
         };
-        let mut rates = Vec::new();
+        let (mut spread, mut on_a_route) = (Vec::new(), Vec::new());
         for i in 1..=args.runs {
             progress(&format!("permit path on a Redis Cluster {i}/{}", args.runs));
             let window = Duration::from_secs(args.permit_seconds);
-            rates.push(permit_script(&config, window).await?.0);
+            spread.push(permit_script(&config, window, SPREAD).await?.0);
+            on_a_route.push(permit_script(&config, window, SPREAD_ON_A_ROUTE).await?.0);
         }
-        anyhow::Ok(rates)
+        anyhow::Ok((spread, on_a_route))
     }
     .await;
     clusters("down")?;
@@ -114,6 +175,14 @@ pub(super) async fn unlimited_tenant(
     base: &Config,
     tenant: &str,
 ) -> anyhow::Result<(Arc<Redis>, RedisPermits, QuotaStore)> {
+    unlimited(base, &[tenant]).await
+}
+
+/// [`unlimited_tenant`] for each of `tenants`.
+async fn unlimited(
+    base: &Config,
+    tenants: &[&str],
+) -> anyhow::Result<(Arc<Redis>, RedisPermits, QuotaStore)> {
     let prefix = format!("bench-{}", &uuid::Uuid::new_v4().simple().to_string()[..8]);
     let config = Config {
         prefix: prefix.clone(),
@@ -126,18 +195,43 @@ pub(super) async fn unlimited_tenant(
         config.permit_settings()?,
     );
     let store = QuotaStore::new(Arc::clone(&redis), redis.keys(&prefix));
-    cli::set_tenant_quota(
-        &store,
-        tenant,
-        Quota::new("1000000/s".parse()?, 1000)?,
-        "bench",
-    )
-    .await?;
+    for tenant in tenants {
+        cli::set_tenant_quota(
+            &store,
+            tenant,
+            Quota::new("1000000/s".parse()?, 1000)?,
+            "bench",
+        )
+        .await?;
+    }
     Ok((redis, permits, store))
 }
 
-async fn permit_script(base: &Config, window: Duration) -> anyhow::Result<(f64, f64)> {
-    let (redis, permits, store) = unlimited_tenant(base, "bench").await?;
+async fn permit_script(base: &Config, window: Duration, load: Load) -> anyhow::Result<(f64, f64)> {
+    let names: Vec<String> = (0..load.tenants).map(|t| format!("bench-{t}")).collect();
+    let names: Vec<&str> = names.iter().map(String::as_str).collect();
+    let (redis, permits, store) = unlimited(base, &names).await?;
+    if load.route_quota {
+        let actor = Actor {
+            who: "bench".into(),
+            source: "cli",
+        };
+        let change = Change::SetQuota {
+            quota: Quota::new("1000000/s".parse()?, 1000)?,
+            concurrency: None,
+            weight: None,
+            adaptive: None,
+        };
+        store
+            .apply(&Target::Route(Kind::default_kind()), change, &actor)
+            .await?;
+    }
+    let tenants: Arc<Vec<TenantId>> = Arc::new(
+        names
+            .iter()
+            .map(|n| TenantId::parse(*n))
+            .collect::<Result<_, _>>()?,
+    );
     let permits = Arc::new(permits);
     let trips_before = client_round_trips(&redis).await?;
     let count = Arc::new(AtomicU64::new(0));
@@ -145,18 +239,17 @@ async fn permit_script(base: &Config, window: Duration) -> anyhow::Result<(f64, 
     let mut tasks = Vec::new();
     for worker in 0..IN_FLIGHT {
         let (permits, count) = (Arc::clone(&permits), Arc::clone(&count));
+        let tenants = Arc::clone(&tenants);
         tasks.push(tokio::spawn(async move {
-            let (tenant, route) = (
-                TenantId::parse("bench").expect("valid"),
-                Kind::default_kind(),
-            );
+            let route = Kind::default_kind();
             let mut i = 0u64;
             while Instant::now() < deadline {
                 i += 1;
+                let tenant = &tenants[(worker + i as usize) % tenants.len()];
                 let id = JobId::parse(format!("{worker}-{i}")).expect("valid id");
                 let key = IdempotencyKey::from(&id);
                 let request = PermitRequest {
-                    tenant: &tenant,
+                    tenant,
                     route: &route,
                     job_id: &id,
                     key: &key,

@@ -1,24 +1,29 @@
 -- The calls a pod makes while its previous one is in flight, in one round
--- trip: permit decisions (`permit.lua`) and completions (`complete.lua`),
--- each atomic, in the order they were asked for.
+-- trip, each atomic, in the order they were asked for.
 --
 -- ARGV[1] names each group's kind, one letter per group in order:
---   'p'  a permit decision: 20 keys, 19 arguments
---   'c'  a completion: 10 keys, 8 arguments
+--   'p'  a permit decision (`permit.lua`): 20 keys, 20 arguments
+--   'c'  a completion (`complete.lua`): 10 keys, 8 arguments
+--   'r'  a reservation on a route's slot (`route.lua`): 8 keys, 9 arguments
+--   'g'  a route's send time given back (`route.lua`): 3 keys, 3 arguments
+--   'R'  a route's side of a completion (`route.lua`): 3 keys, 3 arguments
 -- The groups' keys and arguments follow, one group after another.
 -- Reply: one per group, in order.
 -- (On a Redis Cluster a batch must hold only keys of one slot.)
 
+local groups = {
+  p = {permit, 20, 20},
+  c = {complete, 10, 8},
+  r = {route_reserve, 8, 9},
+  g = {route_give_back, 3, 3},
+  R = {route_complete, 3, 3},
+}
 local kinds = ARGV[1]
 local replies = {}
 local k, a = 0, 1
 for i = 1, #kinds do
-  if string.sub(kinds, i, i) == 'p' then
-    replies[i] = permit({unpack(KEYS, k + 1, k + 20)}, {unpack(ARGV, a + 1, a + 19)})
-    k, a = k + 20, a + 19
-  else
-    replies[i] = complete({unpack(KEYS, k + 1, k + 10)}, {unpack(ARGV, a + 1, a + 8)})
-    k, a = k + 10, a + 8
-  end
+  local g = groups[string.sub(kinds, i, i)]
+  replies[i] = g[1]({unpack(KEYS, k + 1, k + g[2])}, {unpack(ARGV, a + 1, a + g[3])})
+  k, a = k + g[2], a + g[3]
 end
 return replies

@@ -17,9 +17,9 @@
 -- Arguments (8): lease token, '1' if sent ('0' the call failed, '' no call
 -- was made: the permit is released unused), record ttl ms, job id, penalty
 -- microseconds ('0' = none, else a 429), "now" override in microseconds
--- (tests only; "" = Redis TIME), whom the penalty pauses ("tenant" or
--- "route"), the job's due lag in milliseconds (its first attempt only; "" =
--- none).
+-- (tests only; "" = Redis TIME), whom the penalty pauses ("tenant",
+-- "route", or "elsewhere": the route, from its own slot), the job's due
+-- lag in milliseconds (its first attempt only; "" = none).
 -- Reply: {1, tenant's effective rate, route's effective rate, stats bucket
 -- begun, tenant audit old, new, route audit old, new, audit at}: rates in
 -- thousandths per second, -1 where the quota does not adapt; the second
@@ -94,7 +94,9 @@ local function complete(k, a)
   if did('c') then redis.call('ZREM', k[3], a[1]) end
 
   local penalty = tonumber(a[5])
-  if penalty > 0 then
+  -- 'elsewhere': the route's 429s are account-wide and its keys live in
+  -- another slot, whose own call (`route.lua`) records the penalty.
+  if penalty > 0 and a[7] ~= 'elsewhere' then
     local until_us = now_us(a[6]) + penalty
     local ttl = math.ceil(penalty / 1000) + 1000
     local key = k[4]
@@ -108,7 +110,7 @@ local function complete(k, a)
   -- Each learns (rate, audit old, audit new, audit at); see `adapt_learn`.
   local t, r = {-1}, {-1}
   if penalty > 0 then
-    if a[7] ~= 'route' and did('t') then
+    if a[7] == 'tenant' and did('t') then
       t = {adapt_learn(k[6], k[7], 'throttled', a[6])}
     end
     if t[1] < 0 and did('r') then

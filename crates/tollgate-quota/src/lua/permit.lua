@@ -56,12 +56,18 @@
 -- ARGV[19] default_changed_ms         when the stored default quota last changed, milliseconds ("" = the
 --                                     config's): the pod reads it (at most a second old), so this
 --                                     script touches no key outside the tenant's and the route's slots
+-- ARGV[20] route_at                   the send time the route's slot reserved for this job (microseconds,
+--                                     `route.lua`) when the route's keys live in another slot: granted
+--                                     at exactly that time if the tenant's pace allows a send then, else
+--                                     denied ("" = no such reservation; the route keys above decide)
 --
 -- Reply: one {code, a, b, c} per group, in order:
---   {0, delay, shadow, send, leeway}
+--   {0, delay, shadow, send, leeway, late, interval, weight}
 --                               granted at now + delay = send (microseconds since the epoch, Redis
 --                               time); shadow 0 none, 1 would allow, 2 would deny; leeway: how late
---                               after `send` the call may still begin (microseconds, below)
+--                               after `send` the call may still begin (microseconds, below); late:
+--                               how far `send` is past `route_at` already (microseconds); the
+--                               tenant's spacing (microseconds) and weight (thousandths)
 --   {1, retry_in, interval, n, kept, share_place, share_interval}
 --                               denied: n virtual slots from now + retry_in, `interval` apart;
 --                               kept = 1 when a returning job keeps (a re-spaced) place; for places
@@ -119,6 +125,7 @@ local function permit(KEYS, ARGV)
   local tenant_name = ARGV[17]
   local returning_share_place = ARGV[18]
   local default_changed_ms = ARGV[19]
+  local route_at = ARGV[20]
 
   local now = now_us(now_override_us)
   local horizon = tonumber(horizon_us)
@@ -270,60 +277,22 @@ local function permit(KEYS, ARGV)
     return retry, at
   end
 
-  -- This tenant's share of the route, as a line spacing: the route's capacity
-  -- divides among the tenants with work on it by weight, so each tenant's
-  -- line on the route is spaced the route's interval × (the weights counted)
-  -- / its weight. Tenants whose share line is spent leave the sum. A tenant
-  -- whose own quota holds it below its share counts only for what it can use,
-  -- so the rest goes to the others. Returns {spacing, 1, changed, clock}: a
-  -- bucket of burst 1 (places are send times) whose places are kept in the
-  -- route's virtual time, which runs at 1 / (the sum) of real time: a place
-  -- in it stays where it is, among every other tenant's places, however
-  -- often the sum changes before its job comes back.
+  -- This tenant's share of the route (`shares.lua`), as a bucket of burst 1
+  -- (places are send times) whose places are kept in the route's virtual
+  -- time: {spacing, 1, changed, clock}.
   local function route_share()
-    local function field(name) return tonumber(redis.call('HGET', route_weights_key, name)) end
-    local total = field('total') or 0
-    local before = total
-    local done = redis.call('ZRANGEBYSCORE', route_active_key, '-inf', string.format('%.0f', now), 'LIMIT', 0, 100)
-    for _, t in ipairs(done) do
-      total = total - (field('w:' .. t) or 0)
-      redis.call('HDEL', route_weights_key, 'w:' .. t)
-      redis.call('ZREM', route_active_key, t)
-    end
-    local mine = field('w:' .. tenant_name) or 0
-    local others = total - mine
-    if others < 1e-6 then others = 0 end
     local w = tonumber(q[10]) or 1
-    if w < 1 then w = 1 end
-    -- At most this fraction of the route's sends can be the tenant's own.
-    local usable = route[1] / tenant[1]
-    if others > 0 and usable < 1 then w = math.min(w, math.max(usable * others / (1 - usable), 1e-3)) end
-    w = tonumber(string.format('%.6f', w))
-    if w ~= mine then redis.call('HSET', route_weights_key, 'w:' .. tenant_name, string.format('%.6f', w)) end
-    total = tonumber(string.format('%.6f', others + w))
-    local changed, v = field('changed'), field('v')
-    if total ~= before or not changed or not v then
-      -- Virtual time runs at 1 / (the sum) while it holds; it starts at the
-      -- real time, so a route whose hash expired never moves back.
-      if changed and v and before > 0 then v = v + (now - changed) / before else v = now end
-      changed = now
-      redis.call('HSET', route_weights_key, 'total', string.format('%.6f', total), 'changed', string.format('%.0f', now),
-        'v', string.format('%.3f', v))
-    end
-    -- 1 % wider than an exact division: with the shares summing to exactly
-    -- the route's rate, a job that loses a race for a route slot is late for
-    -- good, as the route never has a slot to spare, and the tenant that asks
-    -- later (the one with fewer jobs in any window) falls behind its share.
-    local clock = {
-      real = function(at) return changed + (at - v) * total end,
-      virtual = function(at) return v + (at - changed) / total end,
-      step = route[1] / w * 1.01,
-    }
+    local clock, total, changed = share_clock(route_weights_key, route_active_key, tenant_name, w,
+      route[1] / tenant[1], route[1], now)
     return {math.ceil(clock.step * total), 1, changed, clock}
   end
 
   local tenant_tat = load_tat(held[4], tenant)
   local delay = delay_of(tenant_tat, tenant)
+  -- The route's slot reserved this send time: the tenant takes exactly it,
+  -- or refuses (and the pod gives it back to the route).
+  local pinned = tonumber(route_at)
+  if pinned then pinned = math.max(pinned - now, 0) end
   local route_tat, route_delay, share, route_idle = 0, 0, nil, false
   if route then
     local stored
@@ -355,11 +324,7 @@ local function permit(KEYS, ARGV)
     for _, at in ipairs({line_at(route_share_key, share) or 0, line_at(tenant_waiting_key, tenant) or 0}) do
       if at > until_at then until_at = at end
     end
-    redis.call('ZADD', route_active_key, string.format('%.0f', until_at), tenant_name)
-    local ttl_ms = math.ceil((until_at - now) / 1000) + 60000
-    for _, key in ipairs({route_active_key, route_weights_key}) do
-      if redis.call('PTTL', key) < ttl_ms then redis.call('PEXPIRE', key, ttl_ms) end
-    end
+    share_count(route_weights_key, route_active_key, tenant_name, until_at, now)
   end
 
   -- The decision itself, once the route's shares are known; every outcome
@@ -436,7 +401,8 @@ local function permit(KEYS, ARGV)
     local carried = tonumber(returning_interval_us)
     local far = remaining and remaining > horizon and not tonumber(returning_share_place)
       and q[11] ~= '1' and carried and math.abs(carried - tenant[1]) <= 0.5
-    if far or delay > reserve or route_delay > reserve or tenant_line or share_ahead then
+    if far or delay > reserve or route_delay > reserve or tenant_line or share_ahead
+      or (pinned and delay > pinned) then
       -- Queue on whichever side is further out: the tenant's own lines, or its
       -- share line on the route (places there are send times, from when the
       -- route's bucket allows one). Only that side's line moves.
@@ -501,6 +467,7 @@ local function permit(KEYS, ARGV)
 
     -- Granted: the send happens at `send`; each bucket's next slot counts from it.
     if route_delay > delay then delay = route_delay end
+    if pinned then delay = pinned end
     delay = math.ceil(delay)
     local send = now + delay
     -- Times are rounded up to whole microseconds: a send is never early.
@@ -559,7 +526,13 @@ local function permit(KEYS, ARGV)
     -- asks again.
     local leeway = tenant[5] * (pacing - 1) / 2
     if route then leeway = math.min(leeway, route[5] * (pacing - 1) / 2) end
-    return {0, delay, verdict, send, math.floor(leeway)}
+    -- This slot's clock read past the time the route's slot reserved (a
+    -- round trip later): the send is that late already.
+    local late = 0
+    if pinned then late = math.max(now - tonumber(route_at), 0) end
+    -- Weights go as thousandths (a reply carries integers).
+    local weight = math.floor((tonumber(q[10]) or 1) * 1000 + 0.5)
+    return {0, delay, verdict, send, math.floor(leeway), math.ceil(late), math.ceil(tenant[1]), weight}
   end
 
   local reply = decide()
