@@ -44,6 +44,44 @@ fn stores_with(settings: PermitSettings) -> (RedisPermits, QuotaStore) {
     (permits, QuotaStore::new(redis, Keys::new(&prefix)))
 }
 
+/// `n` pods deciding as on a Redis Cluster ([`split_stores`]) on one prefix.
+fn split_pods(quota: Quota, n: usize) -> (Vec<RedisPermits>, QuotaStore) {
+    let (first, quotas) = split_stores(quota);
+    let config = tollgate::Config::load(None).expect("TOLLGATE_* environment is valid");
+    let redis = Arc::new(Redis::new(&config.redis_settings()).unwrap());
+    let mut pods = vec![first];
+    for _ in 1..n {
+        let settings = PermitSettings {
+            account_wide: vec![Kind::parse("email").unwrap()],
+            ..settings(quota)
+        };
+        let pod = RedisPermits::new(Arc::clone(&redis), quotas.keys().clone(), settings);
+        pods.push(pod.splitting_routes());
+    }
+    (pods, quotas)
+}
+
+/// Whether `sends` (µs, any order) keep to `rate`/s with `burst`: any k
+/// sends span at least k - burst intervals.
+fn keeps_to(sends: &[u64], rate: u32, burst: u32) -> Result<(), String> {
+    let mut sends = sends.to_vec();
+    sends.sort_unstable();
+    let interval = 1_000_000.0 / f64::from(rate);
+    for i in 0..sends.len() {
+        for j in i + usize::try_from(burst).unwrap()..sends.len() {
+            let k = (j - i + 1) as f64;
+            let span = (sends[j] - sends[i]) as f64;
+            // -1e-6: rounding of microsecond TATs.
+            if span < (k - f64::from(burst)) * interval - 1e-6 {
+                return Err(format!(
+                    "{k} sends within {span} µs at {rate}/s burst {burst}"
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
 /// [`stores`] deciding as on a Redis Cluster: a route's side of each
 /// permit in a call of its own (`route.lua`), the tenant's given the time
 /// the route reserved. The route `email`'s 429s are account-wide.
@@ -165,6 +203,19 @@ async fn simulate(
     jobs: &[Simulated],
     tie: impl Fn(usize) -> i64,
 ) -> Vec<(u64, usize)> {
+    simulate_pods(std::slice::from_ref(permits), route, jobs, tie, 1).await
+}
+
+/// [`simulate`] with several pods (job i asks through pod i mod pods),
+/// the next `at_once` asks made together at the latest of their times, so
+/// that their calls share batches and interleave.
+async fn simulate_pods(
+    pods: &[RedisPermits],
+    route: &Kind,
+    jobs: &[Simulated],
+    tie: impl Fn(usize) -> i64,
+    at_once: usize,
+) -> Vec<(u64, usize)> {
     use tollgate_core::ports::Returning;
     let ids: Vec<JobId> = (0..jobs.len())
         .map(|i| JobId::parse(format!("j{i}")).unwrap())
@@ -185,40 +236,45 @@ async fn simulate(
     while !asks.is_empty() {
         steps += 1;
         assert!(steps < 100 * jobs.len(), "jobs keep asking: {asks:?}");
-        let next = (0..asks.len())
-            .min_by_key(|&k| (asks[k].0, tie(asks[k].1), asks[k].1))
-            .unwrap();
-        let (at, i, place) = asks.remove(next);
-        let req = PermitRequest {
-            priority: jobs[i].priority,
-            returning: place.map(|(left, interval, share_place)| Returning {
-                remaining: Duration::from_micros(left),
-                interval,
-                share_place,
-            }),
-            ..request(&jobs[i].tenant, route, &ids[i], &keys[i])
-        };
-        match permits.decide(req, 1, Some(T0 + at)).await.unwrap() {
-            Reply::Decision(PermitDecision::Granted { delay, .. }) => {
-                sends.push((at + delay.as_micros() as u64, i));
+        asks.sort_by_key(|&(at, i, _)| (at, tie(i), i));
+        let now_asking: Vec<_> = asks.drain(..at_once.min(asks.len())).collect();
+        let at = now_asking.iter().map(|&(at, ..)| at).max().unwrap();
+        let decisions = now_asking.iter().map(|&(_, i, place)| {
+            let req = PermitRequest {
+                priority: jobs[i].priority,
+                returning: place.map(|(left, interval, share_place)| Returning {
+                    remaining: Duration::from_micros(left),
+                    interval,
+                    share_place,
+                }),
+                ..request(&jobs[i].tenant, route, &ids[i], &keys[i])
+            };
+            pods[i % pods.len()].decide(req, 1, Some(T0 + at))
+        });
+        let decisions = futures::future::join_all(decisions).await;
+        for (&(_, i, _), decision) in now_asking.iter().zip(decisions) {
+            match decision.unwrap() {
+                Reply::Decision(PermitDecision::Granted { delay, .. }) => {
+                    sends.push((at + delay.as_micros() as u64, i));
+                }
+                Reply::Denied {
+                    retry_in,
+                    interval,
+                    share,
+                    ..
+                } => {
+                    let wait = retry_in.as_micros() as u64;
+                    let hop = TIERS_MS
+                        .iter()
+                        .rev()
+                        .map(|ms| ms * 1_000)
+                        .find(|&t| t <= wait)
+                        .unwrap_or(wait);
+                    let share_place = share.map(|s| s.first);
+                    asks.push((at + hop, i, Some((wait - hop, interval, share_place))));
+                }
+                other => panic!("{other:?}"),
             }
-            Reply::Denied {
-                retry_in,
-                interval,
-                share,
-                ..
-            } => {
-                let wait = retry_in.as_micros() as u64;
-                let hop = TIERS_MS
-                    .iter()
-                    .rev()
-                    .map(|ms| ms * 1_000)
-                    .find(|&t| t <= wait)
-                    .unwrap_or(wait);
-                let share_place = share.map(|s| s.first);
-                asks.push((at + hop, i, Some((wait - hop, interval, share_place))));
-            }
-            other => panic!("{other:?}"),
         }
     }
     sends
@@ -1234,4 +1290,123 @@ fn with_the_routes_keys_in_a_slot_of_their_own_an_account_wide_429_holds_every_t
         );
         quotas.purge_prefix().await.unwrap();
     });
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 96, ..ProptestConfig::default() })]
+
+    /// As on a Redis Cluster, several pods whose jobs ask together (their
+    /// calls to the route's slot and to the tenants' interleave in the
+    /// batches): whatever the quotas and the arrivals, no tenant and not
+    /// the route ever sends beyond its limit, every job is sent, and once
+    /// the last send has passed nothing is left reserved on either side.
+    #[test]
+    fn as_on_a_cluster_neither_limit_is_exceeded_whatever_the_interleaving(
+        tenants in proptest::collection::vec((1u32..60, 1u32..4), 1..4),
+        route in (1u32..60, 1u32..4),
+        arrivals in proptest::collection::vec((0usize..4, 0u64..200_000), 1..50),
+        pods in 1usize..4,
+        at_once in 1usize..5,
+    ) {
+        as_on_a_cluster(&tenants, route, &arrivals, pods, at_once)?;
+    }
+}
+
+/// The property of
+/// `as_on_a_cluster_neither_limit_is_exceeded_whatever_the_interleaving`
+/// for one case: `tenants` and `route` as (count/s, burst), `arrivals` as
+/// (tenant, µs after the previous job).
+fn as_on_a_cluster(
+    tenants: &[(u32, u32)],
+    route: (u32, u32),
+    arrivals: &[(usize, u64)],
+    pods: usize,
+    at_once: usize,
+) -> Result<(), TestCaseError> {
+    let rate = |(count, burst): (u32, u32)| {
+        Quota::new(format!("{count}/s").parse().unwrap(), burst).unwrap()
+    };
+    let names: Vec<TenantId> = (0..tenants.len())
+        .map(|t| TenantId::parse(format!("t{t}")).unwrap())
+        .collect();
+    let mut at = 0;
+    let jobs: Vec<Simulated> = arrivals
+        .iter()
+        .map(|&(t, gap)| {
+            at += gap;
+            Simulated {
+                tenant: names[t % names.len()].clone(),
+                priority: tollgate_core::Priority::Normal,
+                arrives: at,
+            }
+        })
+        .collect();
+    let (sends, after) = runtime().block_on(async {
+        let (pods, quotas) = split_pods(rate((1000, 1)), pods);
+        let email = Kind::parse("email").unwrap();
+        let change = tollgate_quota::Change::SetQuota {
+            quota: rate(route),
+            concurrency: None,
+            weight: None,
+            adaptive: None,
+        };
+        let target = tollgate_quota::Target::Route(email.clone());
+        quotas.apply(&target, change, &test_actor()).await.unwrap();
+        for (name, &quota) in names.iter().zip(tenants) {
+            let change = tollgate_quota::Change::SetQuota {
+                quota: rate(quota),
+                concurrency: None,
+                weight: None,
+                adaptive: None,
+            };
+            let target = tollgate_quota::Target::Tenant(name.clone());
+            quotas.apply(&target, change, &test_actor()).await.unwrap();
+        }
+        let sends = simulate_pods(&pods, &email, &jobs, |_| 0, at_once).await;
+        // Once the last send and every place handed out have passed, a job
+        // of each tenant, a second apart (the slowest route's interval),
+        // goes at once: nothing is left reserved on the route or the
+        // tenant. (A job back for its place may go before it, as the
+        // tenant's burst allows, and its place then stays in the line, up
+        // to the interval × burst after its send: 3 s at most here.)
+        let end = sends.iter().map(|&(at, _)| at).max().unwrap_or(0) + 5_000_000;
+        let mut after = Vec::new();
+        for (t, name) in names.iter().enumerate() {
+            let id = JobId::parse(format!("after-{t}")).unwrap();
+            let key = IdempotencyKey::from(&id);
+            let at = T0 + end + t as u64 * 1_000_000;
+            after.push(
+                pods[0]
+                    .decide(request(name, &email, &id, &key), 1, Some(at))
+                    .await
+                    .unwrap(),
+            );
+        }
+        quotas.purge_prefix().await.unwrap();
+        (sends, after)
+    });
+    prop_assert_eq!(sends.len(), jobs.len(), "every job is sent once");
+    let all: Vec<u64> = sends.iter().map(|&(at, _)| at).collect();
+    prop_assert_eq!(keeps_to(&all, route.0, route.1), Ok(()), "the route");
+    for (t, name) in names.iter().enumerate() {
+        let of_tenant: Vec<u64> = sends
+            .iter()
+            .filter(|&&(_, i)| jobs[i].tenant == *name)
+            .map(|&(at, _)| at)
+            .collect();
+        prop_assert_eq!(
+            keeps_to(&of_tenant, tenants[t].0, tenants[t].1),
+            Ok(()),
+            "tenant {}",
+            t
+        );
+    }
+    for decision in after {
+        prop_assert!(
+            matches!(decision, Reply::Decision(PermitDecision::Granted { delay, .. }) if delay.is_zero()),
+            "{:?}",
+            decision
+        );
+    }
+    Ok(())
 }
