@@ -405,8 +405,6 @@ pub struct RedisPermits {
 /// What a tenant's share of a route is made of, from the tenant's quota.
 #[derive(Clone, Copy, Debug, Default)]
 struct Pace {
-    /// Its quota's spacing: its share counts only what it can use.
-    spacing: Option<Duration>,
     /// Its weight, in thousandths.
     weight: Option<u64>,
 }
@@ -658,8 +656,6 @@ struct Tenant {
     /// For a grant of a route's send time, how far past it the tenant's
     /// slot's clock already was.
     late: Duration,
-    /// The tenant's spacing, when the answer says it.
-    spacing: Option<Duration>,
     /// The tenant's weight (thousandths), when the answer says it.
     weight: Option<u64>,
 }
@@ -815,7 +811,6 @@ impl RedisPermits {
             .get(req.tenant)
             .copied();
         let pace = pace.unwrap_or_default();
-        let spacing = pace.spacing.map(|i| micros(i).to_string());
         let weight = pace.weight.map(|w| format!("{:.3}", w as f64 / 1000.0));
         let reserved = self
             .calls
@@ -839,7 +834,6 @@ impl RedisPermits {
                     now_arg.clone(),
                     place.map(|p| p.to_string()).unwrap_or_default(),
                     req.tenant.as_str().to_owned(),
-                    spacing.unwrap_or_default(),
                     weight.unwrap_or_default(),
                 ],
                 false,
@@ -882,7 +876,6 @@ impl RedisPermits {
             reply,
             made,
             late,
-            spacing,
             weight,
         } = self
             .decide_on_tenant(req, slots, now_micros, Some(route_at))
@@ -893,7 +886,6 @@ impl RedisPermits {
                 paces.clear();
             }
             let pace = paces.entry(req.tenant.clone()).or_default();
-            pace.spacing = spacing.or(pace.spacing);
             pace.weight = weight.or(pace.weight);
         }
         let Reply::Decision(PermitDecision::Granted {
@@ -1017,8 +1009,7 @@ impl RedisPermits {
                     reply: Reply::Decision(granted),
                     made,
                     late: at(5),
-                    spacing: Some(at(6)).filter(|s| !s.is_zero()),
-                    weight: reply.get(7).map(|&w| w.max(0) as u64),
+                    weight: reply.get(6).map(|&w| w.max(0) as u64),
                 });
             }
             Some(1) => {
@@ -1039,7 +1030,6 @@ impl RedisPermits {
                     reply: denied,
                     made: None,
                     late: Duration::ZERO,
-                    spacing: Some(at(2)),
                     weight: None,
                 });
             }
@@ -1054,7 +1044,6 @@ impl RedisPermits {
             reply: Reply::Decision(decision),
             made: None,
             late: Duration::ZERO,
-            spacing: None,
             weight: None,
         })
     }

@@ -4,7 +4,7 @@
 -- ARGV[1] names each group's kind, one letter per group in order:
 --   'p'  a permit decision (`permit.lua`): 20 keys, 20 arguments
 --   'c'  a completion (`complete.lua`): 10 keys, 8 arguments
---   'r'  a reservation on a route's slot (`route.lua`): 8 keys, 9 arguments
+--   'r'  a reservation on a route's slot (`route.lua`): 8 keys, 8 arguments
 --   'g'  a route's send time given back (`route.lua`): 3 keys, 3 arguments
 --   'R'  a route's side of a completion (`route.lua`): 3 keys, 3 arguments
 -- The groups' keys and arguments follow, one group after another.
@@ -14,7 +14,7 @@
 local groups = {
   p = {permit, 20, 20},
   c = {complete, 10, 8},
-  r = {route_reserve, 8, 9},
+  r = {route_reserve, 8, 8},
   g = {route_give_back, 3, 3},
   R = {route_complete, 3, 3},
 }

@@ -62,12 +62,12 @@
 --                                     denied ("" = no such reservation; the route keys above decide)
 --
 -- Reply: one {code, a, b, c} per group, in order:
---   {0, delay, shadow, send, leeway, late, interval, weight}
+--   {0, delay, shadow, send, leeway, late, weight}
 --                               granted at now + delay = send (microseconds since the epoch, Redis
 --                               time); shadow 0 none, 1 would allow, 2 would deny; leeway: how late
 --                               after `send` the call may still begin (microseconds, below); late:
 --                               how far `send` is past `route_at` already (microseconds); the
---                               tenant's spacing (microseconds) and weight (thousandths)
+--                               tenant's weight (thousandths)
 --   {1, retry_in, interval, n, kept, share_place, share_interval}
 --                               denied: n virtual slots from now + retry_in, `interval` apart;
 --                               kept = 1 when a returning job keeps (a re-spaced) place; for places
@@ -532,7 +532,7 @@ local function permit(KEYS, ARGV)
     if pinned then late = math.max(now - tonumber(route_at), 0) end
     -- Weights go as thousandths (a reply carries integers).
     local weight = math.floor((tonumber(q[10]) or 1) * 1000 + 0.5)
-    return {0, delay, verdict, send, math.floor(leeway), math.ceil(late), math.ceil(tenant[1]), weight}
+    return {0, delay, verdict, send, math.floor(leeway), math.ceil(late), weight}
   end
 
   local reply = decide()

@@ -46,12 +46,20 @@ end
 -- Keys (8): route quota, route TAT, route holes, route penalty, route
 -- adapt, the tenant's line on the route (its next free place, in the
 -- route's virtual time), the route's tenants with work, their weights.
--- Arguments (9): not_before_in_us (from now: the tenant's own place, for a
+-- Arguments (8): not_before_in_us (from now: the tenant's own place, for a
 -- job back from the tenant's line), window_us, pacing factor, horizon_us,
 -- "now" override in microseconds (tests only; "" = Redis TIME), the job's
 -- place on its tenant's line on the route (virtual; "" = none), the
--- tenant's name, the tenant's own spacing as last heard (microseconds, ""
--- = unknown), its weight ("" = 1).
+-- tenant's name, its weight as its slot last told the pod ("" = 1).
+--
+-- Unlike on one Redis, a tenant held below its share by its own quota
+-- counts with its whole weight here: the tenant's quota is in its own slot.
+-- (Counting it for what it can use, from its spacing as the pod last
+-- heard it, let two such tenants shrink each other's weights to nothing,
+-- and when one left the other's weight jumped back a thousandfold, moving
+-- every place of the route's virtual time as far out: 400 s.) The part of
+-- its share it cannot use is refused by its slot and given back as holes,
+-- or left to whoever asks once a route slot has gone unused.
 -- Reply:
 --   {0, delay, at, leeway, adaptive}  reserved: the send at now + delay = at
 --                                     (microseconds); how late the call may
@@ -76,7 +84,7 @@ local function route_reserve(k, a)
   end
   local window, horizon = tonumber(a[2]), tonumber(a[4])
   local lead = math.max(b[1], ROUTE_LEAD_US)
-  local tenant_name, tenant_spacing = a[7], tonumber(a[8])
+  local tenant_name = a[7]
   redis.call('ZREMRANGEBYSCORE', holes_key, '-inf', '(' .. string.format('%.0f', now))
 
   local stored = tonumber(redis.call('GET', tat_key))
@@ -87,9 +95,7 @@ local function route_reserve(k, a)
   if tat > cap then tat = cap end
   local free = math.max(tat - b[1] * (b[2] - 1), now, penalty)
 
-  local usable = 1
-  if tenant_spacing and tenant_spacing > 0 then usable = b[1] / tenant_spacing end
-  local clock, total = share_clock(weights_key, active_key, tenant_name, tonumber(a[9]) or 1, usable, b[1], now)
+  local clock, total = share_clock(weights_key, active_key, tenant_name, tonumber(a[8]) or 1, 1, b[1], now)
   local spacing = clock.step * total
   local line_v = tonumber(redis.call('GET', line_key))
   local line = line_v and clock.real(line_v)
