@@ -39,6 +39,7 @@ use crate::{Keys, QuotaError, Redis, Target};
 static BATCH_LUA: &str = crate::lua!(
     "adapt.lua",
     "complete.lua",
+    "buckets.lua",
     "shares.lua",
     "permit.lua",
     "route.lua",
@@ -96,10 +97,9 @@ impl PermitKeys {
         "route_adapt_key",
     ];
 
-    /// `split`: the route's keys live in another slot (its side is a call
-    /// of its own), so a stand-in in the tenant's slot takes their places.
+    /// `split`: the route's keys live in another slot ([`route_side`]).
     fn new(k: &Keys, req: &PermitRequest<'_>, split: bool) -> Self {
-        let route = |key: String| if split { k.no_route(req.tenant) } else { key };
+        let route = |key: String| route_side(k, req.tenant, split, key);
         Self {
             tenant_quota_key: k.quota(req.tenant),
             tenant_tat_key: k.tat(req.tenant),
@@ -149,6 +149,13 @@ impl PermitKeys {
             self.route_adapt_key,
         ]
     }
+}
+
+/// A route's key as a tenant's call names it: when the route's keys live
+/// in another slot (`split`, a Redis Cluster), the route's side is a call
+/// of its own and a stand-in in the tenant's slot takes its place.
+fn route_side(k: &Keys, tenant: &TenantId, split: bool, key: String) -> String {
+    if split { k.no_route(tenant) } else { key }
 }
 
 /// The permit script's arguments, by name (see [`PermitKeys`]). Optional
@@ -291,6 +298,20 @@ pub struct SharePlaces {
     pub step: u64,
 }
 
+impl SharePlaces {
+    /// From a script's reply: the first place and the step, when both are
+    /// there (0: none).
+    fn from_reply(first: Option<&i64>, step: Option<&i64>) -> Option<Self> {
+        match (first, step) {
+            (Some(&first), Some(&step)) if first > 0 && step > 0 => Some(Self {
+                first: first as u64,
+                step: step as u64,
+            }),
+            _ => None,
+        }
+    }
+}
+
 impl Local {
     fn waiting(&self, now: Instant) -> bool {
         self.waiting_until.is_some_and(|t| t > now)
@@ -397,20 +418,13 @@ pub struct RedisPermits {
     split: bool,
     /// Each route's quota as this pod last read it, and when.
     route_copies: tokio::sync::Mutex<HashMap<Kind, (Instant, RouteCopy)>>,
-    /// Each tenant's pace as its slot last told this pod, for its share
-    /// of a route in the route's slot.
-    paces: Mutex<HashMap<TenantId, Pace>>,
+    /// Each tenant's weight (thousandths) as its slot last told this pod,
+    /// for its share of a route in the route's slot.
+    weights: Mutex<HashMap<TenantId, u64>>,
 }
 
-/// What a tenant's share of a route is made of, from the tenant's quota.
-#[derive(Clone, Copy, Debug, Default)]
-struct Pace {
-    /// Its weight, in thousandths.
-    weight: Option<u64>,
-}
-
-/// Tenants whose pace a pod keeps, at most (then it starts afresh).
-const PACES_MAX: usize = 100_000;
+/// Tenants whose weight a pod keeps, at most (then it starts afresh).
+const WEIGHTS_MAX: usize = 100_000;
 
 /// What a pod keeps of a route's quota when the route's keys live in
 /// another slot: whether its jobs ask there.
@@ -690,7 +704,7 @@ impl RedisPermits {
             default_copy: tokio::sync::Mutex::new(None),
             split,
             route_copies: tokio::sync::Mutex::default(),
-            paces: Mutex::default(),
+            weights: Mutex::default(),
         }
     }
 
@@ -804,14 +818,12 @@ impl RedisPermits {
         let pacing = (1.0 + s.pacing_margin).to_string();
         let now_arg = now_micros.map(|n| n.to_string()).unwrap_or_default();
         let k = &self.keys;
-        let pace = self
-            .paces
+        let weight = self
+            .weights
             .lock()
             .expect("not poisoned")
             .get(req.tenant)
-            .copied();
-        let pace = pace.unwrap_or_default();
-        let weight = pace.weight.map(|w| format!("{:.3}", w as f64 / 1000.0));
+            .map(|&w| format!("{:.3}", w as f64 / 1000.0));
         let reserved = self
             .calls
             .call(
@@ -852,13 +864,7 @@ impl RedisPermits {
             // Nothing reserved: ask again then (for a place on the route's
             // line, if given one). A job back for its place keeps it.
             Some(1 | 8) => {
-                let share = match (reserved.get(2), reserved.get(3)) {
-                    (Some(&first), Some(&step)) if first > 0 && step > 0 => Some(SharePlaces {
-                        first: first as u64,
-                        step: step as u64,
-                    }),
-                    _ => None,
-                };
+                let share = SharePlaces::from_reply(reserved.get(2), reserved.get(3));
                 let denied = Reply::Denied {
                     retry_in: at(1),
                     interval: req.returning.and_then(|r| r.interval),
@@ -880,13 +886,12 @@ impl RedisPermits {
         } = self
             .decide_on_tenant(req, slots, now_micros, Some(route_at))
             .await?;
-        {
-            let mut paces = self.paces.lock().expect("not poisoned");
-            if paces.len() >= PACES_MAX {
-                paces.clear();
+        if let Some(weight) = weight {
+            let mut weights = self.weights.lock().expect("not poisoned");
+            if weights.len() >= WEIGHTS_MAX {
+                weights.clear();
             }
-            let pace = paces.entry(req.tenant.clone()).or_default();
-            pace.weight = weight.or(pace.weight);
+            weights.insert(req.tenant.clone(), weight);
         }
         let Reply::Decision(PermitDecision::Granted {
             delay,
@@ -1018,13 +1023,7 @@ impl RedisPermits {
                     interval: Some(at(2)),
                     slots: reply.get(3).copied().unwrap_or(1).max(1) as u32,
                     kept: reply.get(4) == Some(&1),
-                    share: match (reply.get(5), reply.get(6)) {
-                        (Some(&first), Some(&step)) if first > 0 && step > 0 => Some(SharePlaces {
-                            first: first as u64,
-                            step: step as u64,
-                        }),
-                        _ => None,
-                    },
+                    share: SharePlaces::from_reply(reply.get(5), reply.get(6)),
                 };
                 return Ok(Tenant {
                     reply: denied,
@@ -1077,13 +1076,7 @@ impl RedisPermits {
             (false, _) => "tenant",
         };
         let k = &self.keys;
-        let route = |key: String| {
-            if elsewhere {
-                k.no_route(req.tenant)
-            } else {
-                key
-            }
-        };
+        let route = |key: String| route_side(k, req.tenant, elsewhere, key);
         let keys = vec![
             k.sent(req.tenant, req.key),
             k.lease(req.tenant, req.key),
@@ -1120,10 +1113,9 @@ impl RedisPermits {
                 .copied()
                 .ok_or_else(|| QuotaError::BadReply(format!("completion {reply:?}")))
         };
-        let rate = |milli: i64| (milli >= 0).then(|| milli as f64 / 1000.0);
         let mut learned = Learned {
-            tenant: rate(value(1)?),
-            route: rate(value(2)?),
+            tenant: learned_rate(value(1)?),
+            route: learned_rate(value(2)?),
         };
         let mut afterwards = Afterwards {
             bucket_began_s: value(3)?,
@@ -1210,9 +1202,8 @@ impl RedisPermits {
                 .copied()
                 .ok_or_else(|| QuotaError::BadReply(format!("route completion {reply:?}")))
         };
-        let rate = value(1)?;
         Ok(Some((
-            (rate >= 0).then(|| rate as f64 / 1000.0),
+            learned_rate(value(1)?),
             (value(2)?, value(3)?),
             value(4)?,
         )))
@@ -1348,6 +1339,12 @@ impl Made {
             made_at: self.wall,
         }
     }
+}
+
+/// An adaptive quota's effective rate as a completion replies it
+/// (thousandths per second; negative: the quota does not adapt).
+fn learned_rate(milli: i64) -> Option<f64> {
+    (milli >= 0).then(|| milli as f64 / 1000.0)
 }
 
 fn micros(d: Duration) -> u64 {

@@ -79,11 +79,6 @@
 --   {5}                         cancelled
 --   {6, retry_in}               tenant at its concurrency limit
 
--- How far past the route's next free slot a send may be reserved, at least
--- (microseconds): room for the job to come back from its hold and ask again
--- (a timer, a batched round trip) before its slot.
-local ROUTE_LEAD_US = 25000
-
 -- One decision; KEYS and ARGV here are the job's group of the call's.
 local function permit(KEYS, ARGV)
   local tenant_quota_key = KEYS[1]
@@ -168,16 +163,9 @@ local function permit(KEYS, ARGV)
     'shadow_count', 'shadow_period_ms', 'shadow_burst', 'updated_at_ms', 'weight', 'adaptive')
   if q[5] == '1' then return {4, tonumber(pause_recheck_us)} end
 
-  -- A bucket: {interval, burst, changed_at, nil, period} or nil. changed_at
-  -- (microseconds) is when its quota last changed: places in line are
-  -- re-spaced around it. period: the quota's, microseconds.
+  -- A bucket (`buckets.lua`) of this decision's pacing and clock.
   local function bucket(count, period_ms, burst, changed_ms)
-    count, period_ms, burst = tonumber(count), tonumber(period_ms), tonumber(burst)
-    if not (count and period_ms and burst) or count < 1 or period_ms < 1 or burst < 1 then return nil end
-    local changed = tonumber(changed_ms)
-    -- Whole microseconds, rounded up: times near 1.8e15 µs have no room for
-    -- fractions in a double, and a rounded-down interval could send early.
-    return {math.ceil(period_ms * 1000 / count * pacing), burst, changed and changed * 1000 or now, nil, period_ms * 1000}
+    return quota_bucket(count, period_ms, burst, changed_ms, pacing, now)
   end
 
   -- An adaptive quota is spaced at the rate learned (its own is the ceiling).
@@ -193,17 +181,7 @@ local function permit(KEYS, ARGV)
     return b[3] + (place - b[3]) * b[1] / old
   end
 
-  -- The bucket's TAT (`raw`, as read), clamped so a quota change applies at once (under a steady
-  -- quota it never exceeds the clamp).
-  -- Also returns the TAT as stored (nil if none).
-  local function load_tat(raw, b)
-    local stored = tonumber(raw)
-    local tat = stored or now
-    if tat < now then tat = now end
-    local cap = now + horizon + b[1] * b[2]
-    if tat > cap then tat = cap end
-    return tat, stored
-  end
+  local function load_tat(raw, b) return clamped_tat(raw, b, now, horizon) end
 
   -- A provider 429 (Retry-After) on the tenant, or on the whole route when its
   -- 429s are account-wide: no send before this instant, whatever the burst.
@@ -517,15 +495,9 @@ local function permit(KEYS, ARGV)
       redis.call('SET', shadow_tat_key, string.format('%.0f', snext), 'PX', math.ceil((snext - now) / 1000) + 1000)
     end
 
-    -- Sends spaced `pacing` wider than the quota leave the provider's
-    -- window (the quota's period) a slack of period × (pacing - 1): a send
-    -- that leaves later than that after its slot, with the send a period
-    -- of sends later on time, puts one more than the quota in a window.
-    -- The call may begin up to half of it late; the other half is for the
-    -- network's jitter. Past it, the worker lets the permit go unused and
-    -- asks again.
-    local leeway = tenant[5] * (pacing - 1) / 2
-    if route then leeway = math.min(leeway, route[5] * (pacing - 1) / 2) end
+    -- How late the call may begin (`bucket_leeway`).
+    local leeway = bucket_leeway(tenant, pacing)
+    if route then leeway = math.min(leeway, bucket_leeway(route, pacing)) end
     -- This slot's clock read past the time the route's slot reserved (a
     -- round trip later): the send is that late already.
     local late = 0

@@ -12,19 +12,11 @@
 -- interval than the route's now is dropped (a quota change: the holes were
 -- spaced at the old pace).
 
--- How far past the route's next free slot a send may be reserved, at least
--- (microseconds), as in `permit.lua`.
-local ROUTE_LEAD_US = 25000
-
--- The route's bucket now: {interval, burst, changed, nil, period} (as
--- `permit.lua`'s), the adaptive field, or nil when the route has no quota.
+-- The route's bucket now (`buckets.lua`), and whether its quota adapts; nil
+-- when the route has no quota.
 local function route_bucket(quota_key, adapt_key, pacing, now)
   local r = redis.call('HMGET', quota_key, 'count', 'period_ms', 'burst', 'updated_at_ms', 'adaptive')
-  local count, period_ms, burst = tonumber(r[1]), tonumber(r[2]), tonumber(r[3])
-  if not (count and period_ms and burst) or count < 1 or period_ms < 1 or burst < 1 then return nil end
-  local changed = tonumber(r[4])
-  local b = {math.ceil(period_ms * 1000 / count * pacing), burst, changed and changed * 1000 or now, nil,
-    period_ms * 1000}
+  local b = quota_bucket(r[1], r[2], r[3], r[4], pacing, now)
   return adapt_bucket(b, r[5], quota_key, adapt_key, pacing), r[5] == '1'
 end
 
@@ -87,12 +79,7 @@ local function route_reserve(k, a)
   local tenant_name = a[7]
   redis.call('ZREMRANGEBYSCORE', holes_key, '-inf', '(' .. string.format('%.0f', now))
 
-  local stored = tonumber(redis.call('GET', tat_key))
-  local tat = stored or now
-  if tat < now then tat = now end
-  -- A quota change applies at once (as `permit.lua` clamps it).
-  local cap = now + horizon + b[1] * b[2]
-  if tat > cap then tat = cap end
+  local tat, stored = clamped_tat(redis.call('GET', tat_key), b, now, horizon)
   local free = math.max(tat - b[1] * (b[2] - 1), now, penalty)
 
   local clock, total = share_clock(weights_key, active_key, tenant_name, tonumber(a[8]) or 1, 1, b[1], now)
@@ -180,7 +167,7 @@ local function route_reserve(k, a)
   earliest = math.ceil(earliest)
   local adapts = 0
   if adaptive then adapts = 1 end
-  return {0, earliest - now, earliest, math.floor(b[5] * (pacing - 1) / 2), adapts}
+  return {0, earliest - now, earliest, math.floor(bucket_leeway(b, pacing)), adapts}
 end
 
 -- Gives back a send time reserved and not used (the tenant refused it, or
