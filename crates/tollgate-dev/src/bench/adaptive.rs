@@ -60,14 +60,22 @@ impl Setting {
     }
 }
 
+/// The settings compared, in the order they run.
+const SETTINGS: [Setting; 3] = [
+    Setting::Adaptive,
+    Setting::Fixed("20/s"),
+    Setting::Fixed("8/s"),
+];
+
+/// The scenario keys `--only` may name here.
+pub fn keys() -> impl Iterator<Item = String> {
+    SETTINGS.into_iter().map(|s| s.key().to_owned())
+}
+
 /// Each setting `wanted` says yes to (by its scenario key).
 pub async fn run(base: &Config, wanted: impl Fn(&str) -> bool) -> anyhow::Result<Vec<Scenario>> {
     let mut out = Vec::new();
-    for setting in [
-        Setting::Adaptive,
-        Setting::Fixed("20/s"),
-        Setting::Fixed("8/s"),
-    ] {
+    for setting in SETTINGS {
         if wanted(setting.key()) {
             out.push(one(base, setting).await?);
         }

@@ -65,7 +65,9 @@ pub struct BenchArgs {
     /// Only these scenarios (throughput, pipeline, permits, pacing,
     /// fairness, sweep, adaptive, peer; or one point of the pipeline comparison:
     /// pipeline_p4, pipeline_p16, pipeline_p64, pipeline_p256; or of the
-    /// sweep: sweep_c4, sweep_c16, sweep_c64, sweep_c256, sweep_p4; or one
+    /// sweep: sweep_c4, sweep_c16, sweep_c64, sweep_c256, sweep_p4, or one
+    /// part of a point: sweep_c64.noisy_neighbour, .parks, .scheduled,
+    /// .adherence, .many_tenants, .weighted_share, .shared_account; or one
     /// quota of the adaptive comparison: adaptive_learned, adaptive_fixed_20,
     /// adaptive_fixed_8; or one peer: peer_dramatiq, peer_bullmq). `peer`
     /// runs both peers.
@@ -195,7 +197,37 @@ pub fn progress(msg: &str) {
     eprintln!("bench: {msg}");
 }
 
+/// Every name `--only` accepts.
+fn known_keys() -> Vec<String> {
+    let groups = [
+        "throughput",
+        "pipeline",
+        "permits",
+        "redis_cost",
+        "pacing",
+        "fairness",
+        "sweep",
+        "adaptive",
+        "peer",
+    ];
+    groups
+        .into_iter()
+        .map(str::to_owned)
+        .chain(pipeline::keys())
+        .chain(sweep::keys())
+        .chain(adaptive::keys())
+        .chain(peer::Framework::ALL.map(|f| f.only_key().to_owned()))
+        .collect()
+}
+
 pub async fn run(base: &Config, args: &BenchArgs) -> anyhow::Result<()> {
+    let known = known_keys();
+    if let Some(unknown) = args.only.iter().find(|o| !known.contains(o)) {
+        anyhow::bail!(
+            "--only {unknown}: no such scenario (known: {})",
+            known.join(", ")
+        );
+    }
     let wanted = |name: &str| args.only.is_empty() || args.only.iter().any(|o| o == name);
     let mut scenarios = Vec::new();
     if wanted("throughput") {
@@ -429,5 +461,24 @@ mod tests {
         let compared = peer::compare(&[tollgate, bullmq]);
         let md = markdown(&report, &[], &compared, &[]);
         assert!(md.contains("| tollgate | BullMQ | BullMQ / tollgate | unit |"));
+    }
+
+    #[test]
+    fn only_names_every_scenario_and_part_and_nothing_else() {
+        let known = known_keys();
+        for key in [
+            "sweep",
+            "sweep_p4",
+            "sweep_c64.weighted_share",
+            "sweep_c4.noisy_neighbour",
+            "pipeline_p256",
+            "adaptive_fixed_8",
+            "peer_bullmq",
+        ] {
+            assert!(known.iter().any(|k| k == key), "{key} is not accepted");
+        }
+        for typo in ["sweep_c64.nope", "sweep_c8", "adaptive_fixed_12", ""] {
+            assert!(!known.iter().any(|k| k == typo), "{typo:?} is accepted");
+        }
     }
 }

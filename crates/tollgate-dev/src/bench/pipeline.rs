@@ -43,6 +43,11 @@ const POINTS: [(u16, &str, &str); 4] = [
     ),
 ];
 
+/// The scenario keys `--only` may name here.
+pub fn keys() -> impl Iterator<Item = String> {
+    POINTS.into_iter().map(|(_, key, _)| key.to_owned())
+}
+
 /// The one Redis call of the minimal pipeline: a counter per run, about
 /// what the smallest rate limiter does.
 const PERMIT_LUA: &str =

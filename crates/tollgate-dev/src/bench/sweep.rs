@@ -40,24 +40,62 @@ const SWEEP: [(u16, Option<u16>, &str, &str); 5] = [
 
 const WORKERS: usize = 4;
 
+/// The parts of each point, as `--only sweep_c64.<part>` names them.
+const PARTS: [&str; 7] = [
+    "noisy_neighbour",
+    "parks",
+    "scheduled",
+    "adherence",
+    "many_tenants",
+    "weighted_share",
+    "shared_account",
+];
+
+/// The scenario keys `--only` may name here: each point, and each part of
+/// each point.
+pub fn keys() -> impl Iterator<Item = String> {
+    SWEEP.into_iter().flat_map(|(_, _, key, _)| {
+        std::iter::once(key.to_owned())
+            .chain(PARTS.into_iter().map(move |part| format!("{key}.{part}")))
+    })
+}
+
 /// Runs the points of the sweep whose key `wanted` accepts.
 pub async fn run(base: &Config, wanted: impl Fn(&str) -> bool) -> anyhow::Result<Vec<Scenario>> {
     let mut out = Vec::new();
     for (concurrency, prefetch, key, title) in SWEEP {
-        if !wanted(key) {
+        // `sweep_c64` runs every part of the point; `sweep_c64.weighted_share`,
+        // … one each.
+        let part = |name: &str| wanted(key) || wanted(&format!("{key}.{name}"));
+        if !PARTS.iter().any(|name| part(name)) {
             continue;
         }
         let setting = Setting {
             concurrency,
             prefetch,
         };
-        let mut figures = noisy_neighbour(base, setting).await?;
-        figures.extend(parks_drained(base, setting).await?);
-        figures.extend(scheduled(base, setting).await?);
-        figures.extend(adherence(base, setting).await?);
-        figures.extend(many_tenants(base, setting).await?);
-        figures.extend(weighted_share(base, setting).await?);
-        figures.extend(shared_account(base, setting).await?);
+        let mut figures = Vec::new();
+        if part("noisy_neighbour") {
+            figures.extend(noisy_neighbour(base, setting).await?);
+        }
+        if part("parks") {
+            figures.extend(parks_drained(base, setting).await?);
+        }
+        if part("scheduled") {
+            figures.extend(scheduled(base, setting).await?);
+        }
+        if part("adherence") {
+            figures.extend(adherence(base, setting).await?);
+        }
+        if part("many_tenants") {
+            figures.extend(many_tenants(base, setting).await?);
+        }
+        if part("weighted_share") {
+            figures.extend(weighted_share(base, setting).await?);
+        }
+        if part("shared_account") {
+            figures.extend(shared_account(base, setting).await?);
+        }
         out.push(Scenario {
             key,
             title,
