@@ -1436,7 +1436,10 @@ fn as_on_a_cluster_tenants_held_by_their_own_quotas_share_the_route_without_stal
         sends
     });
     let sends = sorted_within_the_route(sends, 4 * per_tenant as usize);
-    // 160 jobs at the route's 30/s take 5.3 s; each tenant alone 4 s.
+    // 160 jobs at the route's 30/s take 5.3 s; each tenant alone 4 s. The
+    // stall this guards against took 2,344 s. How the two pods' calls
+    // interleave moves the last send between 6.9 and 8.0 s (30 runs), so
+    // the bound leaves a second above that, not a hair.
     let last = sends.last().unwrap().0;
-    assert!(last <= 8_000_000, "160 sends took {last} µs");
+    assert!(last <= 9_000_000, "160 sends took {last} µs");
 }
