@@ -358,8 +358,10 @@ local function permit(KEYS, ARGV)
     end
 
     local n = tonumber(denial_slots)
-    -- A job back from a hop (its place still beyond the horizon) keeps its
-    -- place, even when the bucket has a slot free now: that slot is the
+    -- A job back from a hop more than one spacing before its place (or, on
+    -- a cluster, where the route's call already chose its time, beyond the
+    -- horizon) keeps its place, even when the bucket has a slot free now
+    -- (within the horizon it is held for it in the pod): that slot is the
     -- place of a job about to come back for it (a few ms late, say), which
     -- would find it taken and go to the back of its line, and the place
     -- left behind passes with nobody to take it. Runs of such places, left
@@ -376,8 +378,14 @@ local function permit(KEYS, ARGV)
     -- however recently the quota changed: a quota set just before its
     -- backlog arrived used to leave every place free for 10 s to whoever
     -- came back first, and the jobs back late for theirs left gaps.
+    -- When the rule held beyond the horizon only, a job back a few hundred
+    -- ms early took the slot of the one due before it, which went to the
+    -- back of the line: on a busy shared route the tenant went 2.5 s without
+    -- a send (gcra.rs, a tenant held by its own quota keeps its pace). On a
+    -- cluster the wider rule cost the route's drain 0.6 s and gained nothing.
     local carried = tonumber(returning_interval_us)
-    local far = remaining and remaining > horizon and not tonumber(returning_share_place)
+    local early = pinned and horizon or math.min(horizon, tenant[1])
+    local far = remaining and remaining > early and not tonumber(returning_share_place)
       and q[11] ~= '1' and carried and math.abs(carried - tenant[1]) <= 0.5
     if far or delay > reserve or route_delay > reserve or tenant_line or share_ahead
       or (pinned and delay > pinned) then
@@ -386,6 +394,14 @@ local function permit(KEYS, ARGV)
       -- route's bucket allows one). Only that side's line moves.
       local b, b_tat, b_lines, b_rank, b_ahead = tenant, tenant_tat, lines, rank, tenant_line
       local tenant_far = math.max(delay, (tenant_line or now) - now)
+      -- A job back from a hop before its place on the tenant's line is that
+      -- far out too, whatever the route's bucket says now. Judged by the
+      -- buckets alone, a busy route sent every such job to the share line,
+      -- all to the route's same next moment: one got it, the rest went to
+      -- the back of the tenant's line, seconds out.
+      if remaining and not tonumber(returning_share_place) then
+        tenant_far = math.max(tenant_far, remaining)
+      end
       if share and math.max(route_delay, (share_ahead or now) - now) > tenant_far then
         b, b_tat, b_lines, b_rank, b_ahead = share, now + route_delay, {route_share_key}, 1, nil
       end
@@ -402,7 +418,7 @@ local function permit(KEYS, ARGV)
           local place = respace(now + remaining, carried, b)
           local head = line_at(lines[rank], tenant)
           if head and place > head then place = head end
-          if place + come_back - now > reserve then
+          if place + come_back - now > reserve or (far and place > now) then
             return {1, math.ceil(place - now), math.floor(b[1]), 1, 1}
           end
         end
