@@ -41,13 +41,14 @@ const SWEEP: [(u16, Option<u16>, &str, &str); 5] = [
 const WORKERS: usize = 4;
 
 /// The parts of each point, as `--only sweep_c64.<part>` names them.
-const PARTS: [&str; 7] = [
+const PARTS: [&str; 8] = [
     "noisy_neighbour",
     "parks",
     "scheduled",
     "adherence",
     "many_tenants",
     "weighted_share",
+    "quota_below_share",
     "shared_account",
 ];
 
@@ -93,6 +94,9 @@ pub async fn run(base: &Config, wanted: impl Fn(&str) -> bool) -> anyhow::Result
         if part("weighted_share") {
             figures.extend(weighted_share(base, setting).await?);
         }
+        if part("quota_below_share") {
+            figures.extend(quota_below_share(base, setting).await?);
+        }
         if part("shared_account") {
             figures.extend(shared_account(base, setting).await?);
         }
@@ -118,6 +122,12 @@ pub async fn run(base: &Config, wanted: impl Fn(&str) -> bool) -> anyhow::Result
                     "{WORKERS} worker processes; 3 tenants with weights 1, 2, 3 and {SHARE_BACKLOG} jobs \
                      each on one route of 30/s burst 1 (their own quotas 100/s); shares counted from \
                      when all three backlogs are queued to the last send of the first to finish"
+                ),
+                "quota_below_share": format!(
+                    "{WORKERS} worker processes; one route of 30/s burst 1; held: {HELD_BACKLOG} jobs at \
+                     its own quota of 10/s burst 1 (below its half of the route); wide: {WIDE_BACKLOG} \
+                     jobs at 100/s; rates counted from when both backlogs are queued to the last send \
+                     of the first to finish"
                 ),
                 "shared_account": format!(
                     "{WORKERS} worker processes; a route quota of 1000/s; noisy: 500 jobs at once, \
@@ -541,6 +551,108 @@ async fn shared_account(base: &Config, setting: Setting) -> anyhow::Result<Vec<F
             vec![utilization(&noisy, 10.0)],
         )
         .target(">= 0.97"),
+    ])
+}
+
+const HELD_BACKLOG: u32 = 100;
+const WIDE_BACKLOG: u32 = 400;
+
+/// Two tenants with backlogs on one route of 30/s: one held by its own
+/// quota (10/s) below its half of the route, one that could take all of it.
+/// Max-min fair: the held tenant sends at its quota and the other takes the
+/// rest (20/s), and the held one never waits long between sends.
+async fn quota_below_share(base: &Config, setting: Setting) -> anyhow::Result<Vec<Figure>> {
+    const LIMIT: Duration = Duration::from_secs(60);
+    progress(&format!(
+        "sweep {setting}: a 10/s tenant beside a 100/s one on one 30/s route"
+    ));
+    let rig = Rig::new(base, strict_account(30)).await?;
+    set_route_quota(&rig, "30/s").await?;
+    rig.set_quota("held", "10/s", 1).await?;
+    rig.set_quota("wide", "100/s", 1).await?;
+    let mut rig = rig;
+    spawn_workers(&mut rig, setting, WORKERS).await?;
+    rig.publish("held", HELD_BACKLOG, None, "{}").await?;
+    rig.publish("wide", WIDE_BACKLOG, None, "{}").await?;
+    let started = Instant::now();
+    let sent_of = |received: &[Received], tenant: &str| {
+        received
+            .iter()
+            .filter(|r| r.status == 200 && r.tenant == tenant)
+            .count()
+    };
+    loop {
+        let received = rig.provider.received();
+        let done = sent_of(&received, "held") >= HELD_BACKLOG as usize
+            || sent_of(&received, "wide") >= WIDE_BACKLOG as usize;
+        if done || started.elapsed() > LIMIT {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let received = rig.provider.received();
+    rig.cleanup().await?;
+    let sent: Vec<&Received> = received.iter().filter(|r| r.status == 200).collect();
+    let sends_of = |tenant: &str| -> Vec<Instant> {
+        sent.iter()
+            .filter(|r| r.tenant == tenant)
+            .map(|r| r.instant)
+            .collect()
+    };
+    let (held, wide) = (sends_of("held"), sends_of("wide"));
+    // While both have work: from the backlogs queued to the last send of
+    // the first to finish.
+    let to = [held.iter().max(), wide.iter().max()]
+        .into_iter()
+        .flatten()
+        .min()
+        .copied()
+        .unwrap_or(started);
+    let span = to
+        .saturating_duration_since(started)
+        .as_secs_f64()
+        .max(1e-3);
+    let within = |t: &[Instant]| t.iter().filter(|&&at| at >= started && at <= to).count() as f64;
+    let longest_gap = held
+        .windows(2)
+        .map(|w| w[1].duration_since(w[0]).as_secs_f64() * 1e3)
+        .fold(0.0, f64::max);
+    let all: Vec<Instant> = sent.iter().map(|r| r.instant).collect();
+    Ok(vec![
+        Figure::new(
+            "quota below its share: held tenant, achieved ÷ its own 10/s while both have work",
+            "ratio",
+            vec![within(&held) / span / 10.0],
+        )
+        .target(">= 0.97"),
+        Figure::new(
+            "quota below its share: wide tenant, achieved ÷ the rest of the route (20/s)",
+            "ratio",
+            vec![within(&wide) / span / 20.0],
+        ),
+        Figure::new(
+            "quota below its share: held tenant's longest wait between sends",
+            "ms",
+            vec![longest_gap],
+        ),
+        Figure::new(
+            "quota below its share: held tenant max in any 1 s (quota 10)",
+            "requests",
+            vec![max_in_window(&held, Duration::from_secs(1)) as f64],
+        )
+        .target("<= 10"),
+        Figure::new(
+            "quota below its share: route max in any 1 s (limit 30)",
+            "requests",
+            vec![max_in_window(&all, Duration::from_secs(1)) as f64],
+        )
+        .target("<= 30"),
+        Figure::new(
+            "quota below its share: 429s",
+            "requests",
+            vec![received.iter().filter(|r| r.status == 429).count() as f64],
+        )
+        .target("0"),
     ])
 }
 
