@@ -608,14 +608,8 @@ async fn route_of_30_per_second(quotas: &QuotaStore) -> Kind {
 /// Gives the route `email` a quota of `rate` burst 1 and returns it.
 async fn route_of(quotas: &QuotaStore, rate: &str) -> Kind {
     let route = Kind::parse("email").unwrap();
-    let change = tollgate_quota::Change::SetQuota {
-        quota: Quota::new(rate.parse().unwrap(), 1).unwrap(),
-        concurrency: None,
-        weight: None,
-        adaptive: None,
-    };
-    let target = tollgate_quota::Target::Route(route.clone());
-    quotas.apply(&target, change, &test_actor()).await.unwrap();
+    let quota = Quota::new(rate.parse().unwrap(), 1).unwrap();
+    set_quota(quotas, tollgate_quota::Target::Route(route.clone()), quota).await;
     route
 }
 
@@ -793,14 +787,7 @@ fn a_place_from_the_share_line_is_not_respaced_as_the_tenants() {
         let (permits, quotas) = stores(Quota::new("1000/s".parse().unwrap(), 1).unwrap());
         let route = route_of(&quotas, "1000/s").await;
         let tenant = TenantId::parse("a").unwrap();
-        let target = tollgate_quota::Target::Tenant(tenant.clone());
-        let change = tollgate_quota::Change::SetQuota {
-            quota: Quota::new("10/s".parse().unwrap(), 1).unwrap(),
-            concurrency: None,
-            weight: None,
-            adaptive: None,
-        };
-        quotas.apply(&target, change, &test_actor()).await.unwrap();
+        tenant_quota(&quotas, &tenant, "10/s").await;
         // Decisions 5 s after the quota was stored (Redis time), so a place
         // re-spaced "since the change" would move 5 s × the ratio.
         let stored = std::time::SystemTime::now()
@@ -860,14 +847,7 @@ fn a_job_back_from_a_hop_keeps_its_place_right_after_the_quota_was_set() {
     runtime().block_on(async {
         let (permits, quotas) = stores(Quota::new("1000/s".parse().unwrap(), 1).unwrap());
         let tenant = TenantId::parse("paced").unwrap();
-        let change = tollgate_quota::Change::SetQuota {
-            quota: Quota::new("10/s".parse().unwrap(), 1).unwrap(),
-            concurrency: None,
-            weight: None,
-            adaptive: None,
-        };
-        let target = tollgate_quota::Target::Tenant(tenant.clone());
-        quotas.apply(&target, change, &test_actor()).await.unwrap();
+        tenant_quota(&quotas, &tenant, "10/s").await;
         let set_at = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .unwrap()
@@ -1165,13 +1145,23 @@ async fn decision_at(permits: &RedisPermits, req: PermitRequest<'_>, now: u64) -
 
 /// Sets `tenant`'s quota to `rate`, burst 1.
 async fn tenant_quota(quotas: &QuotaStore, tenant: &TenantId, rate: &str) {
+    let quota = Quota::new(rate.parse().unwrap(), 1).unwrap();
+    set_quota(
+        quotas,
+        tollgate_quota::Target::Tenant(tenant.clone()),
+        quota,
+    )
+    .await;
+}
+
+/// Sets `target`'s quota (no concurrency cap, weight or adaptation).
+async fn set_quota(quotas: &QuotaStore, target: tollgate_quota::Target, quota: Quota) {
     let change = tollgate_quota::Change::SetQuota {
-        quota: Quota::new(rate.parse().unwrap(), 1).unwrap(),
+        quota,
         concurrency: None,
         weight: None,
         adaptive: None,
     };
-    let target = tollgate_quota::Target::Tenant(tenant.clone());
     quotas.apply(&target, change, &test_actor()).await.unwrap();
 }
 
@@ -1354,23 +1344,19 @@ fn as_on_a_cluster(
     let (sends, after) = runtime().block_on(async {
         let (pods, quotas) = fleet(rate((1000, 1)), pods, true);
         let email = Kind::parse("email").unwrap();
-        let change = tollgate_quota::Change::SetQuota {
-            quota: rate(route),
-            concurrency: None,
-            weight: None,
-            adaptive: None,
-        };
-        let target = tollgate_quota::Target::Route(email.clone());
-        quotas.apply(&target, change, &test_actor()).await.unwrap();
+        set_quota(
+            &quotas,
+            tollgate_quota::Target::Route(email.clone()),
+            rate(route),
+        )
+        .await;
         for (name, &quota) in names.iter().zip(tenants) {
-            let change = tollgate_quota::Change::SetQuota {
-                quota: rate(quota),
-                concurrency: None,
-                weight: None,
-                adaptive: None,
-            };
-            let target = tollgate_quota::Target::Tenant(name.clone());
-            quotas.apply(&target, change, &test_actor()).await.unwrap();
+            set_quota(
+                &quotas,
+                tollgate_quota::Target::Tenant(name.clone()),
+                rate(quota),
+            )
+            .await;
         }
         let sends = simulate_pods(&pods, &email, &jobs, |_| 0, at_once).await;
         // Once the last send and every place handed out have passed, a job
@@ -1440,14 +1426,7 @@ fn tenants_on_a_30_per_second_route(
         let (pods, store) = fleet(quota, 2, split);
         let route = route_of_30_per_second(&store).await;
         for (t, rate) in quotas.iter().enumerate() {
-            let target = tollgate_quota::Target::Tenant(TenantId::parse(format!("t{t}")).unwrap());
-            let change = tollgate_quota::Change::SetQuota {
-                quota: Quota::new(rate.parse().unwrap(), 1).unwrap(),
-                concurrency: None,
-                weight: None,
-                adaptive: None,
-            };
-            store.apply(&target, change, &test_actor()).await.unwrap();
+            tenant_quota(&store, &TenantId::parse(format!("t{t}")).unwrap(), rate).await;
         }
         let jobs: Vec<Simulated> = (0..n * per_tenant)
             .map(|i| Simulated {

@@ -76,29 +76,8 @@ pub async fn run(base: &Config, wanted: impl Fn(&str) -> bool) -> anyhow::Result
             prefetch,
         };
         let mut figures = Vec::new();
-        if part("noisy_neighbour") {
-            figures.extend(noisy_neighbour(base, setting).await?);
-        }
-        if part("parks") {
-            figures.extend(parks_drained(base, setting).await?);
-        }
-        if part("scheduled") {
-            figures.extend(scheduled(base, setting).await?);
-        }
-        if part("adherence") {
-            figures.extend(adherence(base, setting).await?);
-        }
-        if part("many_tenants") {
-            figures.extend(many_tenants(base, setting).await?);
-        }
-        if part("weighted_share") {
-            figures.extend(weighted_share(base, setting).await?);
-        }
-        if part("quota_below_share") {
-            figures.extend(quota_below_share(base, setting).await?);
-        }
-        if part("shared_account") {
-            figures.extend(shared_account(base, setting).await?);
+        for name in PARTS.into_iter().filter(|name| part(name)) {
+            figures.extend(run_part(name, base, setting).await?);
         }
         out.push(Scenario {
             key,
@@ -141,6 +120,21 @@ pub async fn run(base: &Config, wanted: impl Fn(&str) -> bool) -> anyhow::Result
         });
     }
     Ok(out)
+}
+
+/// The figures of one part of a point, by its name in [`PARTS`].
+async fn run_part(name: &str, base: &Config, setting: Setting) -> anyhow::Result<Vec<Figure>> {
+    match name {
+        "noisy_neighbour" => noisy_neighbour(base, setting).await,
+        "parks" => parks_drained(base, setting).await,
+        "scheduled" => scheduled(base, setting).await,
+        "adherence" => adherence(base, setting).await,
+        "many_tenants" => many_tenants(base, setting).await,
+        "weighted_share" => weighted_share(base, setting).await,
+        "quota_below_share" => quota_below_share(base, setting).await,
+        "shared_account" => shared_account(base, setting).await,
+        _ => unreachable!("{name} is not in PARTS"),
+    }
 }
 
 /// One point of the sweep.
