@@ -1513,3 +1513,109 @@ fn a_tenant_held_by_its_own_quota_keeps_its_pace_beside_one_that_could_take_the_
         }
     }
 }
+
+/// Sends per second of tenant `t` of `n` (job i is tenant i mod n) from
+/// the start to `until` µs.
+fn rate_until(sends: &[(u64, usize)], n: usize, t: usize, until: u64) -> f64 {
+    let sent = sends
+        .iter()
+        .filter(|&&(at, i)| i % n == t && at <= until)
+        .count();
+    sent as f64 / (until as f64 / 1e6)
+}
+
+/// On one Redis, a tenant whose own quota (10/s) holds it below its half
+/// of a 30/s route gets its whole quota beside one that could take the
+/// route, and the other gets the rest: the route keeps the held tenant's
+/// places, and the other's reservations step over them. Before, each of
+/// the held tenant's sends found the route reserved past its place and
+/// went out a slot or more later, which its quota of burst 1 cannot make
+/// up: 6.4 of its 10/s while both had work (9.8–9.9/s since).
+#[test]
+fn a_tenant_held_by_its_own_quota_gets_its_whole_quota_beside_one_that_takes_the_rest() {
+    let (sends, _) = tenants_on_a_30_per_second_route(false, &["10/s", "100/s"], &[0, 0], 200);
+    // Both have work until the wide tenant's last send (the held one needs
+    // twice as long for as many jobs).
+    let until = sends
+        .iter()
+        .filter(|&&(_, i)| i % 2 == 1)
+        .map(|&(at, _)| at)
+        .max()
+        .unwrap();
+    let (held, wide) = (
+        rate_until(&sends, 2, 0, until),
+        rate_until(&sends, 2, 1, until),
+    );
+    assert!(held >= 9.5, "the held tenant sent {held:.2}/s of its 10/s");
+    assert!(
+        wide >= 19.0,
+        "the other sent {wide:.2}/s of the route's other 20/s"
+    );
+}
+
+/// Several tenants held below their shares by quotas of their own, at
+/// paces that do not divide the route's, beside one that could take the
+/// route: the places kept for each, stepped over or moved by the others'
+/// reservations, never bring two of the route's sends closer than its
+/// interval, nor a tenant's closer than its own; every job goes once.
+#[test]
+fn kept_places_of_tenants_at_several_paces_keep_every_limit() {
+    let quotas = ["4/s", "7/s", "9/s", "100/s"];
+    for starts in [[0, 0, 0, 0], [0, 150_000, 400_000, 50_000]] {
+        let (sends, gaps) = tenants_on_a_30_per_second_route(false, &quotas, &starts, 40);
+        for (t, rate) in [4, 7, 9, 100].into_iter().enumerate() {
+            let own: Vec<u64> = sends
+                .iter()
+                .filter(|&&(_, i)| i % quotas.len() == t)
+                .map(|&(at, _)| at)
+                .collect();
+            keeps_to(&own, rate, 1).unwrap_or_else(|e| panic!("tenant t{t}: {e}"));
+            assert!(
+                gaps[t] < 1_000_000,
+                "tenant t{t} went {} µs without a send",
+                gaps[t]
+            );
+        }
+    }
+}
+
+/// Twenty tenants at 1/s arriving 20 ms apart beside one at 100/s on a
+/// 30/s route: each slower than its share until most have come, so each
+/// keeps places on the route, and their places crowd each other. Every
+/// job still goes once within the route's limit, and every 1/s tenant's
+/// ten jobs go out within 13 s (9 s at its pace, from its arrival up to
+/// 0.4 s in; 10.8 s measured).
+#[test]
+fn many_tenants_keeping_places_on_one_route_all_keep_their_pace() {
+    let n = 21;
+    let sends = runtime().block_on(async {
+        let quota = Quota::new("10/s".parse().unwrap(), 1).unwrap();
+        let (pods, store) = fleet(quota, 2, false);
+        let route = route_of_30_per_second(&store).await;
+        for t in 0..n {
+            let rate = if t == n - 1 { "100/s" } else { "1/s" };
+            tenant_quota(&store, &TenantId::parse(format!("t{t}")).unwrap(), rate).await;
+        }
+        let jobs: Vec<Simulated> = (0..n * 10)
+            .map(|i| Simulated {
+                tenant: TenantId::parse(format!("t{}", i % n)).unwrap(),
+                priority: tollgate_core::Priority::Normal,
+                arrives: (i % n) as u64 * 20_000 + (i / n) as u64 * 1_000,
+            })
+            .collect();
+        let sends = simulate_pods(&pods, &route, &jobs, |_| 0, 2).await;
+        store.purge_prefix().await.unwrap();
+        sends
+    });
+    let sends = sorted_within_the_route(sends, n * 10);
+    for t in 0..n - 1 {
+        let own: Vec<u64> = sends
+            .iter()
+            .filter(|&&(_, i)| i % n == t)
+            .map(|&(at, _)| at)
+            .collect();
+        keeps_to(&own, 1, 1).unwrap_or_else(|e| panic!("tenant t{t}: {e}"));
+        let last = own.iter().max().unwrap();
+        assert!(*last <= 13_000_000, "tenant t{t}'s last send at {last} µs");
+    }
+}

@@ -181,6 +181,13 @@ impl Keys {
         self.route_key("holes", route)
     }
 
+    /// Hash of the route's tenants held below their share by their own quota
+    /// (`permit.lua`, on one Redis): tenant -> the places of its line the
+    /// route keeps clear for it.
+    pub fn route_kept(&self, route: &Kind) -> String {
+        self.route_key("kept", route)
+    }
+
     /// A tenant's line on the route when the route's keys live in another
     /// slot than its tenants' (`route.lua`, in the route's slot): a string,
     /// its next free place.
@@ -303,6 +310,7 @@ mod tests {
             keys.route_adapt(&route),
             keys.route_penalty(&route),
             keys.route_holes(&route),
+            keys.route_kept(&route),
             keys.route_line(&route, &tenant),
             keys.no_route(&tenant),
             keys.default_quota(),

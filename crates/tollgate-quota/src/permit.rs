@@ -70,11 +70,12 @@ struct PermitKeys {
     route_weights_key: String,
     tenant_adapt_key: String,
     route_adapt_key: String,
+    route_kept_key: String,
 }
 
 impl PermitKeys {
     #[cfg(test)]
-    const NAMES: [&'static str; 20] = [
+    const NAMES: [&'static str; 21] = [
         "tenant_quota_key",
         "tenant_tat_key",
         "tenant_waiting_key",
@@ -95,6 +96,7 @@ impl PermitKeys {
         "route_weights_key",
         "tenant_adapt_key",
         "route_adapt_key",
+        "route_kept_key",
     ];
 
     /// `split`: the route's keys live in another slot ([`route_side`]).
@@ -121,11 +123,12 @@ impl PermitKeys {
             route_weights_key: route(k.route_weights(req.route)),
             tenant_adapt_key: k.adapt(req.tenant),
             route_adapt_key: route(k.route_adapt(req.route)),
+            route_kept_key: route(k.route_kept(req.route)),
         }
     }
 
     /// In [`PermitKeys::NAMES`] order.
-    fn in_order(self) -> [String; 20] {
+    fn in_order(self) -> [String; 21] {
         [
             self.tenant_quota_key,
             self.tenant_tat_key,
@@ -147,6 +150,7 @@ impl PermitKeys {
             self.route_weights_key,
             self.tenant_adapt_key,
             self.route_adapt_key,
+            self.route_kept_key,
         ]
     }
 }

@@ -2,7 +2,7 @@
 -- trip, each atomic, in the order they were asked for.
 --
 -- ARGV[1] names each group's kind, one letter per group in order:
---   'p'  a permit decision (`permit.lua`): 20 keys, 20 arguments
+--   'p'  a permit decision (`permit.lua`): 21 keys, 20 arguments
 --   'c'  a completion (`complete.lua`): 10 keys, 8 arguments
 --   'r'  a reservation on a route's slot (`route.lua`): 8 keys, 8 arguments
 --   'g'  a route's send time given back (`route.lua`): 3 keys, 3 arguments
@@ -12,7 +12,7 @@
 -- (On a Redis Cluster a batch must hold only keys of one slot.)
 
 local groups = {
-  p = {permit, 20, 20},
+  p = {permit, 21, 20},
   c = {complete, 10, 8},
   r = {route_reserve, 8, 8},
   g = {route_give_back, 3, 3},

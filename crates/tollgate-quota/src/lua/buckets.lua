@@ -6,6 +6,10 @@
 -- (a timer, a batched round trip) before its slot.
 local ROUTE_LEAD_US = 25000
 
+-- How many kept places (`permit.lua`) a reservation steps over or moves at
+-- most before it is refused.
+local ROUTE_KEPT_STEPS = 16
+
 -- A bucket: {interval, burst, changed_at, nil, period} or nil (no quota).
 -- changed_at (microseconds) is when its quota last changed: places in line
 -- are re-spaced around it. period: the quota's, microseconds. Sends are

@@ -33,6 +33,8 @@
 --                                     'v' -> the route's virtual time then
 -- KEYS[19] tenant_adapt_key           what the tenant's adaptive quota learned (`adapt.lua`)
 -- KEYS[20] route_adapt_key            what the route's adaptive quota learned
+-- KEYS[21] route_kept_key             zset: '<tenant> <place>' -> place (microseconds), the next places of
+--                                     tenants held below their shares by their own quotas, kept clear on the route
 --
 -- ARGV[1]  default_count              the default quota (the stored one, else the config's): count
 -- ARGV[2]  default_period_ms          the default quota: period, milliseconds
@@ -101,6 +103,7 @@ local function permit(KEYS, ARGV)
   local route_weights_key = KEYS[18]
   local tenant_adapt_key = KEYS[19]
   local route_adapt_key = KEYS[20]
+  local route_kept_key = KEYS[21]
   local default_count = ARGV[1]
   local default_period_ms = ARGV[2]
   local default_burst = ARGV[3]
@@ -260,9 +263,19 @@ local function permit(KEYS, ARGV)
   -- time: {spacing, 1, changed, clock}.
   local function route_share()
     local w = tonumber(q[10]) or 1
-    local clock, total, changed = share_clock(route_weights_key, route_active_key, tenant_name, w,
+    local clock, total, changed, others = share_clock(route_weights_key, route_active_key, tenant_name, w,
       route[1] / tenant[1], route[1], now)
-    return {math.ceil(clock.step * total), 1, changed, clock}
+    -- Held below its share by its own quota: its spacing is wider than
+    -- its whole weight's share would be (with the others at their whole
+    -- weights too, at least 1 each; the counted weights of tenants held
+    -- below theirs would overstate its share), by more than 1 %. Alone on
+    -- the route, its share is the route: it is held below it as soon as
+    -- it is slower, so its places are kept before another tenant comes.
+    local count = redis.call('ZCARD', route_active_key)
+    if redis.call('ZSCORE', route_active_key, tenant_name) then count = count - 1 end
+    local raw = math.max(w, 1)
+    local held_below = tenant[1] > 1.01 * route[1] * (math.max(others, count) + raw) / raw
+    return {math.ceil(clock.step * total), 1, changed, clock}, held_below
   end
 
   local tenant_tat = load_tat(held[4], tenant)
@@ -272,11 +285,13 @@ local function permit(KEYS, ARGV)
   local pinned = tonumber(route_at)
   if pinned then pinned = math.max(pinned - now, 0) end
   local route_tat, route_delay, share, route_idle = 0, 0, nil, false
+  -- Whether this tenant is held below its share by its own quota.
+  local held_below = false
   if route then
     local stored
     route_tat, stored = load_tat(held[5], route)
     route_delay = delay_of(route_tat, route)
-    share = route_share()
+    share, held_below = route_share()
     -- A slot of the route went unused for a whole interval: whoever asks may
     -- take the next one, whatever its share says. Shares order a contended
     -- route; they never leave it idle.
@@ -291,6 +306,124 @@ local function permit(KEYS, ARGV)
     local lead = math.max(route[1], ROUTE_LEAD_US)
     reserve = math.min(reserve, route_delay + lead)
     come_back = math.min(come_back, lead)
+  end
+
+  -- Kept places. A tenant held below its share of a busy route by its own
+  -- quota sends in one of every few of the route's slots, at its own
+  -- spacing. The others' reservations run ahead of it (up to the window),
+  -- so each of its sends found the route taken past its place and went out
+  -- a slot later; a bucket of burst 1 cannot make that up, so it lost a
+  -- slot's wait on every send (0.78-0.87 of its quota beside a tenant that
+  -- could take the route). Such a tenant's next places within the others'
+  -- reach are kept on the route (`route_kept_key`, member '<tenant> <place>'
+  -- by place): the others' reservations keep an interval clear of them, and
+  -- its jobs take them, even behind the route's next free time. Only on a
+  -- route of burst 1, whose sends are spaced one interval.
+  local kept_on = route and share and route[2] == 1
+  if kept_on then
+    redis.call('ZREMRANGEBYSCORE', route_kept_key, '-inf', '(' .. string.format('%.0f', now))
+  end
+
+  -- Kept places from `lo` to `hi` (nil: on; exclusive when `open`):
+  -- {tenant, place, member}.
+  local function kept_between(lo, hi, open)
+    local l, h = string.format('%.0f', lo), hi and string.format('%.0f', hi) or '+inf'
+    if open then l, h = '(' .. l, '(' .. h end
+    local raw = redis.call('ZRANGEBYSCORE', route_kept_key, l, h, 'WITHSCORES')
+    local places = {}
+    for i = 1, #raw, 2 do
+      places[#places + 1] = {tenant = string.match(raw[i], '^(%S+) '), place = tonumber(raw[i + 1]), member = raw[i]}
+    end
+    return places
+  end
+
+  -- Another tenant's kept place closer than an interval to `at`, if any
+  -- (not one of `skip`).
+  local function kept_near(at, skip)
+    for _, p in ipairs(kept_between(at - route[1], at + route[1], true)) do
+      if p.tenant ~= tenant_name and not (skip and skip[p.member]) then return p end
+    end
+    return nil
+  end
+
+  -- The first time from `at` on that keeps an interval clear of the others'
+  -- kept places. A place less than half an interval after `at` is stepped
+  -- over (the route idles until it); one further on moves later instead, to
+  -- an interval after `at`, with its tenant's later places (its send is that
+  -- much later): whichever costs less. (Spacings round up to whole
+  -- microseconds, so a tenant's places three of the route's intervals apart
+  -- fall a microsecond short of three intervals; always stepping over them
+  -- cost the route one slot in three.) What moves is kept so on a grant
+  -- (`keep_moved`). Still not clear after `ROUTE_KEPT_STEPS` steps (the
+  -- places of many tenants close together): no time at all, so the job is
+  -- refused rather than sent close to a kept place.
+  local moved = {}
+  local function clear_of_kept(at)
+    if not kept_on then return at end
+    local skip = {}
+    for _ = 1, ROUTE_KEPT_STEPS do
+      local p = kept_near(at, skip)
+      if not p then return at end
+      if p.place - at > route[1] / 2 then
+        local by = at + route[1] - p.place
+        for _, q in ipairs(kept_between(p.place, nil, false)) do
+          if q.tenant == p.tenant and not skip[q.member] then
+            skip[q.member] = true
+            moved[#moved + 1] = {q.member, q.place + by, q.tenant}
+          end
+        end
+      else
+        at = p.place + route[1]
+      end
+    end
+    if kept_near(at, skip) then return math.huge end
+    return at
+  end
+  local function keep_moved()
+    for _, m in ipairs(moved) do
+      redis.call('ZREM', route_kept_key, m[1])
+      redis.call('ZADD', route_kept_key, string.format('%.0f', m[2]), m[3] .. ' ' .. string.format('%.0f', m[2]))
+    end
+  end
+
+  -- The route's send time for a job its tenant allows from `from`: its
+  -- tenant's kept place within one of the tenant's spacings of `from` and
+  -- before the route's next free time (true as second value), or the first
+  -- time from the later of `from` and the route's next free time that keeps
+  -- clear of the others' kept places.
+  local function route_slot(from)
+    local free = now + route_delay
+    if kept_on and from < free then
+      for _, p in ipairs(kept_between(from, math.min(free, from + tenant[1]), false)) do
+        if p.tenant == tenant_name and p.place < free and not kept_near(p.place) then
+          return math.ceil(p.place), true
+        end
+      end
+    end
+    return math.ceil(clear_of_kept(math.max(from, free))), false
+  end
+
+  -- While its quota holds it below its share, the tenant's next places
+  -- within the others' reach (the horizon, a spacing on) are kept, up to
+  -- its line's last: on from its last place kept after `after`, else from
+  -- `first` (its bucket's next slot), and from the route's next free time
+  -- (a reservation before it may sit close to one). Kept on a denial too,
+  -- so that a tenant's first places on a busy route are kept before the
+  -- others' reservations reach them, not only from its second send on.
+  local function keep_places(first, after)
+    if not (kept_on and held_below and tenant[2] == 1) then return end
+    local at = first
+    for _, p in ipairs(kept_between(after, nil, true)) do
+      if p.tenant == tenant_name then at = p.place + tenant[1] end
+    end
+    local till = math.min(math.max(at, line_at(tenant_waiting_key, tenant) or 0), now + horizon + tenant[1])
+    at = math.max(at, tonumber(redis.call('GET', route_tat_key)) or 0)
+    while at <= till and not kept_near(at) do
+      redis.call('ZADD', route_kept_key, string.format('%.0f', at), tenant_name .. ' ' .. string.format('%.0f', at))
+      at = at + tenant[1]
+    end
+    local ttl = math.ceil((till - now) / 1000) + 1000
+    if redis.call('PTTL', route_kept_key) < ttl then redis.call('PEXPIRE', route_kept_key, ttl) end
   end
 
   -- The tenant counts among the route's tenants with work while it holds
@@ -357,6 +490,11 @@ local function permit(KEYS, ARGV)
       end
     end
 
+    -- When the route would send this job, and whether at a place it keeps
+    -- for the tenant.
+    local route_send, on_kept = now + delay, false
+    if route then route_send, on_kept = route_slot(now + delay) end
+
     local n = tonumber(denial_slots)
     -- A job back from a hop more than one spacing before its place (or, on
     -- a cluster, where the route's call already chose its time, beyond the
@@ -387,7 +525,7 @@ local function permit(KEYS, ARGV)
     local early = pinned and horizon or math.min(horizon, tenant[1])
     local far = remaining and remaining > early and not tonumber(returning_share_place)
       and q[11] ~= '1' and carried and math.abs(carried - tenant[1]) <= 0.5
-    if far or delay > reserve or route_delay > reserve or tenant_line or share_ahead
+    if far or delay > reserve or route_send - now > reserve or tenant_line or share_ahead
       or (pinned and delay > pinned) then
       -- Queue on whichever side is further out: the tenant's own lines, or its
       -- share line on the route (places there are send times, from when the
@@ -448,6 +586,7 @@ local function permit(KEYS, ARGV)
       local retry, at = waiting_slots(b_lines, b_rank, b_tat, b, n)
       local reply = {1, math.ceil(retry), math.floor(b[1]), n, 0}
       if b == share then return on_share(reply, share[4].virtual(at)) end
+      keep_places(math.ceil(tenant_tat), now)
       return reply
     end
 
@@ -460,7 +599,7 @@ local function permit(KEYS, ARGV)
     end
 
     -- Granted: the send happens at `send`; each bucket's next slot counts from it.
-    if route_delay > delay then delay = route_delay end
+    delay = route_send - now
     if pinned then delay = pinned end
     delay = math.ceil(delay)
     local send = now + delay
@@ -472,8 +611,19 @@ local function permit(KEYS, ARGV)
     advance(tenant_tat_key, tenant_tat, tenant)
     -- A fresh job took a slot ahead of the places of the classes served after it.
     if not remaining then make_room(lines, rank, tenant_tat, tenant, 1) end
+    -- A kept place lies behind the route's next free time, clear of the
+    -- sends around it.
+    if route and not on_kept then advance(route_tat_key, route_tat, route) end
+    if kept_on then
+      keep_moved()
+      -- The tenant's places up to this send are spent; sent off its places
+      -- (late for one), the rest are spaced from a time gone by.
+      for _, p in ipairs(kept_between(now, (on_kept and held_below) and send or nil, false)) do
+        if p.tenant == tenant_name then redis.call('ZREM', route_kept_key, p.member) end
+      end
+      keep_places(math.ceil(math.max(tenant_tat, send) + tenant[1]), send)
+    end
     if route then
-      advance(route_tat_key, route_tat, route)
       -- The send used a place of the tenant's share: the next is a spacing on.
       -- A fresh job may go out before the tenant's next place (the route had
       -- a slot free within its window): it uses that place, so a tenant

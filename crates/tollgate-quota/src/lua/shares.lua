@@ -14,7 +14,8 @@
 -- `active_key`: sorted set of the route's tenants with work -> until when.
 -- Both in the route's slot. `interval`: the route's spacing (microseconds).
 -- Returns the clock {real, virtual, step} (step: the tenant's spacing in
--- virtual time), the sum of the weights, and when it last changed.
+-- virtual time), the sum of the weights, when it last changed, and the sum
+-- of the others' (as counted).
 local function share_clock(weights_key, active_key, tenant_name, weight, usable, interval, now)
   local function field(name) return tonumber(redis.call('HGET', weights_key, name)) end
   local total = field('total') or 0
@@ -52,7 +53,7 @@ local function share_clock(weights_key, active_key, tenant_name, weight, usable,
     virtual = function(at) return v + (at - changed) / total end,
     step = interval / w * 1.01,
   }
-  return clock, total, changed
+  return clock, total, changed, others
 end
 
 -- Counts the tenant among the route's tenants with work until `until_at`
