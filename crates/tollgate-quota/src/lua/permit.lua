@@ -271,10 +271,14 @@ local function permit(KEYS, ARGV)
     -- below theirs would overstate its share), by more than 1 %. Alone on
     -- the route, its share is the route: it is held below it as soon as
     -- it is slower, so its places are kept before another tenant comes.
-    local count = redis.call('ZCARD', route_active_key)
-    if redis.call('ZSCORE', route_active_key, tenant_name) then count = count - 1 end
-    local raw = math.max(w, 1)
-    local held_below = tenant[1] > 1.01 * route[1] * (math.max(others, count) + raw) / raw
+    -- Only asked where places are kept (a route of burst 1, below).
+    local held_below = false
+    if route[2] == 1 and tenant[2] == 1 then
+      local count = redis.call('ZCARD', route_active_key)
+      if redis.call('ZSCORE', route_active_key, tenant_name) then count = count - 1 end
+      local raw = math.max(w, 1)
+      held_below = tenant[1] > 1.01 * route[1] * (math.max(others, count) + raw) / raw
+    end
     return {math.ceil(clock.step * total), 1, changed, clock}, held_below
   end
 
@@ -379,10 +383,15 @@ local function permit(KEYS, ARGV)
     if kept_near(at, skip) then return math.huge end
     return at
   end
+  -- Keeps `at` for `name`.
+  local function keep(name, at)
+    local t = string.format('%.0f', at)
+    redis.call('ZADD', route_kept_key, t, name .. ' ' .. t)
+  end
   local function keep_moved()
     for _, m in ipairs(moved) do
       redis.call('ZREM', route_kept_key, m[1])
-      redis.call('ZADD', route_kept_key, string.format('%.0f', m[2]), m[3] .. ' ' .. string.format('%.0f', m[2]))
+      keep(m[3], m[2])
     end
   end
 
@@ -411,15 +420,15 @@ local function permit(KEYS, ARGV)
   -- so that a tenant's first places on a busy route are kept before the
   -- others' reservations reach them, not only from its second send on.
   local function keep_places(first, after)
-    if not (kept_on and held_below and tenant[2] == 1) then return end
+    if not (kept_on and held_below) then return end
     local at = first
     for _, p in ipairs(kept_between(after, nil, true)) do
       if p.tenant == tenant_name then at = p.place + tenant[1] end
     end
     local till = math.min(math.max(at, line_at(tenant_waiting_key, tenant) or 0), now + horizon + tenant[1])
-    at = math.max(at, tonumber(redis.call('GET', route_tat_key)) or 0)
+    at = math.max(at, route_tat)
     while at <= till and not kept_near(at) do
-      redis.call('ZADD', route_kept_key, string.format('%.0f', at), tenant_name .. ' ' .. string.format('%.0f', at))
+      keep(tenant_name, at)
       at = at + tenant[1]
     end
     local ttl = math.ceil((till - now) / 1000) + 1000
@@ -607,13 +616,14 @@ local function permit(KEYS, ARGV)
     local function advance(tat_key, tat, b)
       local next_tat = math.ceil(math.max(tat, send) + b[1])
       redis.call('SET', tat_key, string.format('%d', next_tat), 'PX', math.ceil((next_tat - now) / 1000) + 1000)
+      return next_tat
     end
     advance(tenant_tat_key, tenant_tat, tenant)
     -- A fresh job took a slot ahead of the places of the classes served after it.
     if not remaining then make_room(lines, rank, tenant_tat, tenant, 1) end
     -- A kept place lies behind the route's next free time, clear of the
     -- sends around it.
-    if route and not on_kept then advance(route_tat_key, route_tat, route) end
+    if route and not on_kept then route_tat = advance(route_tat_key, route_tat, route) end
     if kept_on then
       keep_moved()
       -- The tenant's places up to this send are spent; sent off its places
