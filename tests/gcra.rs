@@ -613,6 +613,16 @@ async fn route_of(quotas: &QuotaStore, rate: &str) -> Kind {
     route
 }
 
+/// The send times of tenant `t` of `n`, whose jobs are dealt out in turn
+/// (job i is tenant i mod n's).
+fn sends_of_tenant(sends: &[(u64, usize)], n: usize, t: usize) -> Vec<u64> {
+    sends
+        .iter()
+        .filter(|&&(_, i)| i % n == t)
+        .map(|&(at, _)| at)
+        .collect()
+}
+
 /// The sends in time order, after checking that every one of `jobs` was
 /// sent once and no two sends of the 30/s route are closer than its interval.
 fn sorted_within_the_route(mut sends: Vec<(u64, usize)>, jobs: usize) -> Vec<(u64, usize)> {
@@ -1364,17 +1374,19 @@ fn limits_hold(
         }
         let sends = simulate_pods(&pods, &email, &jobs, |_| 0, at_once).await;
         // Once the last send and every place handed out have passed, a job
-        // of each tenant, a second apart (the slowest route's interval),
-        // goes at once: nothing is left reserved on the route or the
-        // tenant. (A job back for its place may go before it, as the
-        // tenant's burst allows, and its place then stays in the line, up
-        // to the interval × burst after its send: 3 s at most here.)
+        // of each tenant, two seconds apart, goes at once: nothing is left
+        // reserved on the route or the tenant. (A job back for its place
+        // may go before it, as the tenant's burst allows, and its place
+        // then stays in the line, up to the interval × burst after its
+        // send: 3 s at most here. A tenant held below its share keeps its
+        // next place on the route when it sends, its spacing on: at most
+        // 1.02 s here, so the next tenant's job comes 2 s later.)
         let end = sends.iter().map(|&(at, _)| at).max().unwrap_or(0) + 5_000_000;
         let mut after = Vec::new();
         for (t, name) in names.iter().enumerate() {
             let id = JobId::parse(format!("after-{t}")).unwrap();
             let key = IdempotencyKey::from(&id);
-            let at = T0 + end + t as u64 * 1_000_000;
+            let at = T0 + end + t as u64 * 2_000_000;
             after.push(
                 pods[0]
                     .decide(request(name, &email, &id, &key), 1, Some(at))
@@ -1446,12 +1458,11 @@ fn tenants_on_a_30_per_second_route(
     let sends = sorted_within_the_route(sends, n * per_tenant);
     let longest_gaps = (0..n)
         .map(|t| {
-            let own: Vec<u64> = sends
-                .iter()
-                .filter(|&&(_, i)| i % n == t)
-                .map(|&(at, _)| at)
-                .collect();
-            own.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(0)
+            sends_of_tenant(&sends, n, t)
+                .windows(2)
+                .map(|w| w[1] - w[0])
+                .max()
+                .unwrap_or(0)
         })
         .collect();
     (sends, longest_gaps)
@@ -1568,11 +1579,7 @@ fn kept_places_of_tenants_at_several_paces_keep_every_limit() {
     for starts in [[0, 0, 0, 0], [0, 150_000, 400_000, 50_000]] {
         let (sends, gaps) = tenants_on_a_30_per_second_route(false, &quotas, &starts, 40);
         for (t, rate) in [4, 7, 9, 100].into_iter().enumerate() {
-            let own: Vec<u64> = sends
-                .iter()
-                .filter(|&&(_, i)| i % quotas.len() == t)
-                .map(|&(at, _)| at)
-                .collect();
+            let own = sends_of_tenant(&sends, quotas.len(), t);
             keeps_to(&own, rate, 1).unwrap_or_else(|e| panic!("tenant t{t}: {e}"));
             assert!(
                 gaps[t] < 1_000_000,
@@ -1583,14 +1590,12 @@ fn kept_places_of_tenants_at_several_paces_keep_every_limit() {
     }
 }
 
-/// Twenty tenants at 1/s arriving 20 ms apart beside one at 100/s on a
-/// 30/s route: each slower than its share until most have come, so each
-/// keeps places on the route, and their places crowd each other. Every
-/// job still goes once within the route's limit, and every 1/s tenant's
-/// ten jobs go out within 13 s (9 s at its pace, from its arrival up to
-/// 0.4 s in; 10.8 s measured).
-#[test]
-fn many_tenants_keeping_places_on_one_route_all_keep_their_pace() {
+/// Twenty tenants at 1/s, ten jobs each, arriving 20 ms apart, and one at
+/// 100/s whose ten jobs arrive at `fast_arrives` µs, on a 30/s route, two
+/// pods, `at_once` asks decided together. Checks that every job goes once
+/// within the route's limit and every 1/s tenant keeps its own quota;
+/// returns each 1/s tenant's sends.
+fn slow_tenants_and_a_fast_one(fast_arrives: u64, at_once: usize) -> Vec<Vec<u64>> {
     let n = 21;
     let sends = runtime().block_on(async {
         let quota = Quota::new("10/s".parse().unwrap(), 1).unwrap();
@@ -1604,22 +1609,101 @@ fn many_tenants_keeping_places_on_one_route_all_keep_their_pace() {
             .map(|i| Simulated {
                 tenant: TenantId::parse(format!("t{}", i % n)).unwrap(),
                 priority: tollgate_core::Priority::Normal,
-                arrives: (i % n) as u64 * 20_000 + (i / n) as u64 * 1_000,
+                arrives: if i % n == n - 1 {
+                    fast_arrives
+                } else {
+                    (i % n) as u64 * 20_000
+                } + (i / n) as u64 * 1_000,
             })
             .collect();
-        let sends = simulate_pods(&pods, &route, &jobs, |_| 0, 2).await;
+        let sends = simulate_pods(&pods, &route, &jobs, |_| 0, at_once).await;
         store.purge_prefix().await.unwrap();
         sends
     });
     let sends = sorted_within_the_route(sends, n * 10);
-    for t in 0..n - 1 {
-        let own: Vec<u64> = sends
-            .iter()
-            .filter(|&&(_, i)| i % n == t)
-            .map(|&(at, _)| at)
-            .collect();
-        keeps_to(&own, 1, 1).unwrap_or_else(|e| panic!("tenant t{t}: {e}"));
+    (0..n - 1)
+        .map(|t| {
+            let own = sends_of_tenant(&sends, n, t);
+            keeps_to(&own, 1, 1).unwrap_or_else(|e| panic!("tenant t{t}: {e}"));
+            own
+        })
+        .collect()
+}
+
+/// The twenty 1/s tenants arrive just before the 100/s one: each is slower
+/// than its share until most have come, so each keeps places on the
+/// route, and their places crowd each other. Every 1/s tenant's ten jobs
+/// still go out within 13 s (9 s at its pace, from its arrival up to 0.4 s
+/// in; 10.8 s measured).
+#[test]
+fn many_tenants_keeping_places_on_one_route_all_keep_their_pace() {
+    for (t, own) in slow_tenants_and_a_fast_one(400_000, 2).iter().enumerate() {
         let last = own.iter().max().unwrap();
         assert!(*last <= 13_000_000, "tenant t{t}'s last send at {last} µs");
+    }
+}
+
+/// With only tenants held below their shares by their own quotas on a
+/// route, each counts for its usable part of the others' weights, at least
+/// of one whole weight. Counted of the others' weights alone, those fell to
+/// the floor together, the route's virtual time ran 50 times faster than
+/// real time, and when the 100/s tenant came 5 s in, every share place
+/// already given stretched 50-fold: a 1/s tenant went 23 s without a send
+/// with four asks decided together (2.0 s now).
+#[test]
+fn slow_tenants_places_stay_near_when_a_fast_tenant_joins_their_route() {
+    for at_once in [2, 4] {
+        for (t, own) in slow_tenants_and_a_fast_one(5_000_000, at_once)
+            .iter()
+            .enumerate()
+        {
+            let longest = own.windows(2).map(|w| w[1] - w[0]).max().unwrap();
+            assert!(
+                longest <= 3_000_000,
+                "{at_once} at once: tenant t{t} went {longest} µs without a send"
+            );
+        }
+    }
+}
+
+/// A job refused because its reservation would come too close to another
+/// tenant's kept place waits for the route, not for its own tenant: on a
+/// 2/s route, t0 (1/s, held below its half) sends at 0 and keeps its next
+/// place at 1.02 s; t1 (1/s, its exact half) asks at 0.98 s. Stepping over
+/// the kept place puts t1's reservation past the window, so it is refused.
+/// Judged by the route's bucket alone (free at 0.98 s), it used to be
+/// queued on its own line at once and told to come back at once. Now it
+/// is given a place on its share of the route, at the reservation it could
+/// not make, and comes back a window before it.
+#[test]
+fn a_job_refused_for_a_kept_place_waits_for_the_route_not_its_tenant() {
+    let (first, second) = runtime().block_on(async {
+        let quota = Quota::new("10/s".parse().unwrap(), 1).unwrap();
+        let (pods, store) = fleet(quota, 1, false);
+        let route = route_of(&store, "2/s").await;
+        let mut replies = Vec::new();
+        for (t, at) in [("t0", 0), ("t1", 980_000)] {
+            let tenant = TenantId::parse(t).unwrap();
+            tenant_quota(&store, &tenant, "1/s").await;
+            let id = JobId::parse(format!("{t}-job")).unwrap();
+            let key = IdempotencyKey::from(&id);
+            let req = request(&tenant, &route, &id, &key);
+            replies.push(pods[0].decide(req, 1, Some(T0 + at)).await.unwrap());
+        }
+        store.purge_prefix().await.unwrap();
+        let second = replies.pop().unwrap();
+        (replies.pop().unwrap(), second)
+    });
+    assert!(
+        matches!(first, Reply::Decision(PermitDecision::Granted { delay, .. }) if delay.is_zero()),
+        "{first:?}"
+    );
+    match second {
+        Reply::Denied {
+            retry_in,
+            share: Some(_),
+            ..
+        } => assert!(!retry_in.is_zero(), "{second:?}"),
+        other => panic!("t1 should wait for its place on the route: {other:?}"),
     }
 }

@@ -4,10 +4,16 @@
 -- whose share line is spent leave the sum. A tenant whose own quota holds
 -- it below its share counts only for what it can use (`usable`: at most
 -- this fraction of the route's sends can be its own), so the rest goes to
--- the others. Places on a share line are kept in the route's virtual time,
--- which runs at 1 / (the sum) of real time: a place in it stays where it
--- is, among every other tenant's places, however often the sum changes
--- before its job comes back.
+-- the others: usable × others / (1 - usable), where `others` is the sum of
+-- the others' weights taken as at least one whole weight. Without that
+-- floor, tenants that are all held shrink each other's weights to 0.001
+-- together, virtual time runs hundreds of times faster than real time, and
+-- when a tenant that is not held comes, every share place already given
+-- stretches as much (a 1/s tenant went 23 s without a send). Places on a
+-- share line are kept in the route's virtual time, which runs at 1 / (the
+-- sum) of real time: a place in it stays where it is, among every other
+-- tenant's places, however often the sum changes before its job comes
+-- back.
 --
 -- `weights_key`: hash 'w:<tenant>' -> weight counted, 'total' -> their sum,
 -- 'changed' -> when it last changed, 'v' -> the route's virtual time then;
@@ -31,7 +37,7 @@ local function share_clock(weights_key, active_key, tenant_name, weight, usable,
   if others < 1e-6 then others = 0 end
   local w = weight
   if w < 1 then w = 1 end
-  if others > 0 and usable < 1 then w = math.min(w, math.max(usable * others / (1 - usable), 1e-3)) end
+  if others > 0 and usable < 1 then w = math.min(w, math.max(usable * math.max(others, 1) / (1 - usable), 1e-3)) end
   w = tonumber(string.format('%.6f', w))
   if w ~= mine then redis.call('HSET', weights_key, 'w:' .. tenant_name, string.format('%.6f', w)) end
   total = tonumber(string.format('%.6f', others + w))
