@@ -50,14 +50,13 @@ local function share_clock(weights_key, active_key, tenant_name, weight, usable,
     redis.call('HSET', weights_key, 'total', string.format('%.6f', total), 'changed', string.format('%.0f', now),
       'v', string.format('%.3f', v))
   end
-  -- 1 % wider than an exact division: with the shares summing to exactly
-  -- the route's rate, a job that loses a race for a route slot is late for
-  -- good, as the route never has a slot to spare, and the tenant that asks
-  -- later (the one with fewer jobs in any window) falls behind its share.
+  -- An exact division: the shares sum to the route's paced rate. (They
+  -- were 1 % wider, which cost the route 1 % of its slots for good and
+  -- bought nothing the weights show; ARCHITECTURE, "Weighted shares".)
   local clock = {
     real = function(at) return changed + (at - v) * total end,
     virtual = function(at) return v + (at - changed) / total end,
-    step = interval / w * 1.01,
+    step = interval / w,
   }
   return clock, total, changed, others
 end
