@@ -503,13 +503,6 @@ local function permit(KEYS, ARGV)
     -- for the tenant.
     local route_send, on_kept = now + delay, false
     if route then route_send, on_kept = route_slot(now + delay) end
-    -- How long the route makes this job wait: its bucket, and the kept
-    -- places its reservation must keep clear of (no time at all when too
-    -- many lie close together: it looks again a horizon on). Judged by the
-    -- bucket alone, a job refused for a kept place was queued on its
-    -- tenant's line at once and told to come back at once: asking again
-    -- found that place in line, a whole spacing of its tenant later.
-    local route_wait = route and math.min(route_send - now, route_delay + horizon + route[1]) or 0
 
     local n = tonumber(denial_slots)
     -- A job back from a hop more than one spacing before its place (or, on
@@ -556,8 +549,8 @@ local function permit(KEYS, ARGV)
       if remaining and not tonumber(returning_share_place) then
         tenant_far = math.max(tenant_far, remaining)
       end
-      if share and math.max(route_wait, (share_ahead or now) - now) > tenant_far then
-        b, b_tat, b_lines, b_rank, b_ahead = share, now + route_wait, {route_share_key}, 1, nil
+      if share and math.max(route_delay, (share_ahead or now) - now) > tenant_far then
+        b, b_tat, b_lines, b_rank, b_ahead = share, now + route_delay, {route_share_key}, 1, nil
       end
       if remaining then
         -- Back from (a hop of) its wait: keep the place, re-spaced like the line
@@ -590,7 +583,7 @@ local function permit(KEYS, ARGV)
           -- (other tenants' places fell close together): it keeps its turn and
           -- asks again as the route frees.
           -- Its place is now on the share line (its spacing is the share's).
-          local retry = math.ceil(math.max(route_wait - reserve, route[1]))
+          local retry = math.ceil(math.max(route_delay - reserve, route[1]))
           local reply = {1, retry, math.floor(b[1]), 1, 1}
           return on_share(reply, share_place or share[4].virtual(now + retry + reserve))
         end
