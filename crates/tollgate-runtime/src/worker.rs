@@ -936,7 +936,6 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
                         action = again;
                         continue;
                     }
-                    let _call = call;
                     if !commitment.begin(&self.commits).await {
                         // Shutting down: too late in the grace period to
                         // begin a call. Release the permit, hand it back.
@@ -952,6 +951,13 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
                     let started = Instant::now();
                     let response = self.provider.call(ProviderCall { job, attempt }).await;
                     let took = started.elapsed();
+                    // The call is over: its slot goes to the next job now,
+                    // not after the sent record's round trip. Held through
+                    // it, a granted permit waiting for the slot went past
+                    // its leeway (10 ms on a 30/s route) whenever Redis was
+                    // slow to answer, and the route slot it let go idle
+                    // went to whoever asked, whatever the shares.
+                    drop(call);
                     now = self.clock.now();
                     let outcome = classify(&response, now);
                     self.metrics.provider(tenant, route, &outcome, took);
