@@ -1634,7 +1634,7 @@ fn slow_tenants_and_a_fast_one(fast_arrives: u64, at_once: usize) -> Vec<Vec<u64
 /// than its share until most have come, so each keeps places on the
 /// route, and their places crowd each other. Every 1/s tenant's ten jobs
 /// still go out within 13 s (9 s at its pace, from its arrival up to 0.4 s
-/// in; 10.8 s measured).
+/// in; 10.9 s measured).
 #[test]
 fn many_tenants_keeping_places_on_one_route_all_keep_their_pace() {
     for (t, own) in slow_tenants_and_a_fast_one(400_000, 2).iter().enumerate() {

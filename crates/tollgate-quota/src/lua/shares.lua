@@ -52,7 +52,8 @@ local function share_clock(weights_key, active_key, tenant_name, weight, usable,
   end
   -- An exact division: the shares sum to the route's paced rate. (They
   -- were 1 % wider, which cost the route 1 % of its slots for good and
-  -- bought nothing the weights show; ARCHITECTURE, "Weighted shares".)
+  -- bought nothing the weights show; ARCHITECTURE, "Weighted shares of a
+  -- route".)
   local clock = {
     real = function(at) return changed + (at - v) * total end,
     virtual = function(at) return v + (at - changed) / total end,
