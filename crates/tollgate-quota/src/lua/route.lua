@@ -31,9 +31,11 @@ end
 -- few jobs is not queued behind another's backlog, and jobs wait their turn
 -- instead of all asking each time a slot frees; otherwise it takes the
 -- route's next free time and uses up its tenant's next place. A job back
--- with its place asks from it. A slot of the route left unused for a whole
--- interval goes to whoever asks: shares order a contended route, they
--- never leave it idle.
+-- with its place asks from it; one back for its place in its tenant's
+-- line has had its turn there, and one back early for it (a hop's
+-- remainder) keeps it and comes back the window before it. A slot of the
+-- route left unused for a whole interval goes to whoever asks: shares
+-- order a contended route, they never leave it idle.
 --
 -- Keys (8): route quota, route TAT, route holes, route penalty, route
 -- adapt, the tenant's line on the route (its next free place, in the
@@ -88,6 +90,8 @@ local function route_reserve(k, a)
   local line = line_v and clock.real(line_v)
   local place_v = tonumber(a[6])
   local place = place_v and clock.real(place_v)
+  -- A job back for its place on its tenant's line (`not_before`).
+  local returning = tonumber(a[1]) > 0
   local start = math.max(place or (now + tonumber(a[1])), now, penalty)
 
   -- The tenant counts among the route's tenants with work for a spacing
@@ -114,8 +118,19 @@ local function route_reserve(k, a)
     push(at + spacing)
     return denied(at, window)
   end
+  -- Back early (a hop's remainder) for its place on its tenant's line: it
+  -- keeps that place and comes back when it is within the window. Handed
+  -- its tenant's next place on the route instead, as a fresh job, it lost
+  -- its turn: a 10/s tenant beside one that could take a 30/s route sent
+  -- 7.6/s and went up to 0.87 s without a send (8.4/s and 0.36 s since).
+  if returning and not place and start > now + window then
+    count()
+    return {1, math.ceil(start - window - now), 0, 0}
+  end
   local idle = (stored or 0) + b[1] <= now and free <= now
-  if not place and not idle and line and line > now + window then return queue() end
+  -- A fresh job waits for its turn on its tenant's share of the route; a
+  -- job back for its place has waited its turn in its tenant's line.
+  if not place and not returning and not idle and line and line > now + window then return queue() end
 
   -- The first hole from `start` at today's spacing (others go).
   local hole, hole_member = nil, nil
