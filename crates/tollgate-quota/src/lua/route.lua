@@ -90,8 +90,9 @@ local function route_reserve(k, a)
   local line = line_v and clock.real(line_v)
   local place_v = tonumber(a[6])
   local place = place_v and clock.real(place_v)
-  -- A job back for its place on its tenant's line (`not_before`).
-  local returning = tonumber(a[1]) > 0
+  -- A job back for its place on its tenant's line (`not_before`), not for
+  -- one on the route's.
+  local returning = not place and tonumber(a[1]) > 0
   local start = math.max(place or (now + tonumber(a[1])), now, penalty)
 
   -- The tenant counts among the route's tenants with work for a spacing
@@ -123,7 +124,7 @@ local function route_reserve(k, a)
   -- its tenant's next place on the route instead, as a fresh job, it lost
   -- its turn: a 10/s tenant beside one that could take a 30/s route sent
   -- 7.6/s and went up to 0.87 s without a send (8.4/s and 0.36 s since).
-  if returning and not place and start > now + window then
+  if returning and start > now + window then
     count()
     return {1, math.ceil(start - window - now), 0, 0}
   end
