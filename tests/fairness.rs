@@ -15,7 +15,9 @@ use tollgate_amqp::lapin::options::{
 };
 use tollgate_amqp::lapin::types::FieldTable;
 use tollgate_core::UnixMillis;
-use tollgate_tests::{FakeProvider, TestEnv, effects, fake_provider, max_in_window, now, wait_for};
+use tollgate_tests::{
+    FakeProvider, TestEnv, arrivals_of, effects, fake_provider, max_in_window, now, wait_for,
+};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_noisy_tenant_never_delays_a_quiet_one() {
@@ -66,11 +68,7 @@ async fn a_noisy_tenant_never_delays_a_quiet_one() {
         noisy_sent < 300,
         "the noisy backlog drained first ({noisy_sent} sent)"
     );
-    let noisy: Vec<Instant> = received
-        .iter()
-        .filter(|r| r.tenant == "noisy")
-        .map(|r| r.instant)
-        .collect();
+    let noisy = arrivals_of(&received, "noisy");
     let worst = max_in_window(&noisy, Duration::from_secs(1));
     assert!(worst <= 11, "noisy sent {worst} in one second at 10/s");
     assert_eq!(effects(&received).1, 0, "nothing sent twice");
@@ -289,15 +287,7 @@ async fn quiet_behind_a_backlog(setting: &str, tweak: impl FnOnce(&mut tollgate:
     env.publish("noisy", 100, |_| {}).await;
     let quiet = env.publish("quiet", 5, |_| {}).await;
 
-    wait_for("the quiet jobs", Duration::from_secs(60), || async {
-        provider
-            .received()
-            .iter()
-            .filter(|r| r.tenant == "quiet")
-            .count()
-            >= 5
-    })
-    .await;
+    wait_for_quiet_sends(&provider, 5).await;
     let received = provider.received();
     let noisy_before = received
         .iter()
@@ -311,11 +301,7 @@ async fn quiet_behind_a_backlog(setting: &str, tweak: impl FnOnce(&mut tollgate:
         noisy_before < 100 / 2,
         "{setting}: the quiet tenant waited for most of the backlog ({noisy_before} noisy sends first)"
     );
-    let noisy: Vec<Instant> = received
-        .iter()
-        .filter(|r| r.tenant == "noisy")
-        .map(|r| r.instant)
-        .collect();
+    let noisy = arrivals_of(&received, "noisy");
     assert!(
         max_in_window(&noisy, Duration::from_secs(1)) <= 2,
         "{setting}: the noisy tenant went over 2 in a second"
@@ -438,4 +424,97 @@ async fn a_tenants_jobs_go_out_high_then_normal_then_low() {
     assert!(max_in_window(&times, Duration::from_secs(1)) <= 5);
     worker.stop().await.unwrap();
     env.cleanup().await;
+}
+
+/// A fresh backlog that can only park is looked past: with one delivery
+/// per work queue, a pod opens look-ahead consumers on the queue while
+/// what it delivers is parked, so a quiet tenant behind the backlog is sent
+/// before the first pass over it ends, and the look-ahead closes once the
+/// queue has nothing left to look past. Each quiet job goes once and the
+/// noisy tenant keeps to its quota.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backlog_that_only_parks_is_looked_past_and_the_look_ahead_closes_after() {
+    const BACKLOG: u32 = 400;
+    let provider = FakeProvider::start(fake_provider::always_ok())
+        .await
+        .unwrap();
+    let env = TestEnv::new_with(&provider.url(), |c| c.shards = 1).await;
+    env.set_quota("noisy", "1/s", 1).await;
+    env.set_quota("quiet", "100/s", 1).await;
+    let worker = env
+        .spawn_worker_with(|c| {
+            c.concurrency = 1;
+            c.prefetch = Some(1);
+        })
+        .await;
+    let queue = env.broker.topology().work_queues().remove(0);
+    let (_conn, channel) = env.raw_channel().await;
+    let consumers = async || {
+        channel
+            .queue_declare(
+                queue.as_str().into(),
+                QueueDeclareOptions {
+                    passive: true,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .expect("the work queue")
+            .consumer_count()
+    };
+    assert_eq!(consumers().await, 1, "one main consumer");
+    env.publish("noisy", BACKLOG, |_| {}).await;
+    let quiet = env.publish("quiet", 3, |_| {}).await;
+    wait_for("a look-ahead consumer", Duration::from_secs(30), || async {
+        consumers().await > 1
+    })
+    .await;
+    wait_for_quiet_sends(&provider, 3).await;
+    wait_for(
+        "the look-ahead to close once the queue is quiet",
+        Duration::from_secs(30),
+        || async { consumers().await == 1 },
+    )
+    .await;
+    let received = provider.received();
+    let quiet_sent: Vec<&str> = received
+        .iter()
+        .filter(|r| r.tenant == "quiet")
+        .map(|r| r.job_id.as_str())
+        .collect();
+    assert_eq!(quiet_sent.len(), 3, "each quiet job once: {quiet_sent:?}");
+    for job in &quiet {
+        assert!(
+            quiet_sent.iter().any(|id| id.ends_with(job.id.as_str())),
+            "{} sent",
+            job.id
+        );
+    }
+    let noisy = arrivals_of(&received, "noisy");
+    assert!(
+        noisy.len() < BACKLOG as usize / 10,
+        "the quiet jobs went before the backlog was sent ({} noisy sends)",
+        noisy.len()
+    );
+    assert!(
+        max_in_window(&noisy, Duration::from_secs(1)) <= 1,
+        "the noisy tenant went over its 1/s"
+    );
+    worker.stop().await.unwrap();
+    env.cleanup().await;
+}
+
+/// Waits (up to a minute) until the provider got `n` jobs of the tenant
+/// `quiet`.
+async fn wait_for_quiet_sends(provider: &FakeProvider, n: usize) {
+    wait_for("the quiet jobs", Duration::from_secs(60), || async {
+        provider
+            .received()
+            .iter()
+            .filter(|r| r.tenant == "quiet")
+            .count()
+            >= n
+    })
+    .await;
 }

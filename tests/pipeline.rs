@@ -329,6 +329,7 @@ async fn coalesced_acks_never_settle_a_delivery_still_in_work() {
             .await
             .expect("all 48 delivered")
             .expect("the consumer lives")
+            .1
             .unwrap();
         deliveries.push(next);
     }
@@ -360,6 +361,7 @@ async fn coalesced_acks_never_settle_a_delivery_still_in_work() {
             .await
             .expect("a delivery handed back comes again")
             .expect("the consumer lives")
+            .1
             .unwrap();
         assert!(again.redelivered);
         acks.ack(&again).await.unwrap();
@@ -385,4 +387,75 @@ async fn coalesced_acks_never_settle_a_delivery_still_in_work() {
     }
     assert_eq!(left, vec![held.data.clone()], "only the one never settled");
     env.cleanup().await;
+}
+
+/// A look-ahead consumer takes a work queue's deliveries past its main
+/// consumer's prefetch, on the same channel (the same acks settle them),
+/// and once cancelled takes no more: the rest come by the main consumer,
+/// each message once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_look_ahead_takes_deliveries_past_the_prefetch_until_cancelled() {
+    use tollgate_amqp::Source;
+
+    const JOBS: usize = 30;
+    let main = Source::Work {
+        queue: 0,
+        ahead: false,
+    };
+    let env = TestEnv::new_with("http://127.0.0.1:9", |c| c.shards = 1).await;
+    for i in 0..JOBS {
+        env.publish_raw("acme", format!(r#"{{"n":{i}}}"#).as_bytes())
+            .await;
+    }
+    // One delivery per queue by the main consumers.
+    let mut consumption = env.broker.consume("ahead-test", 1).await.unwrap();
+    let (source, first) = next_delivery(&mut consumption).await;
+    assert_eq!(source, main);
+    let ahead = consumption.control.look_ahead(0, 8).await.unwrap();
+    consumption.deliveries.push(ahead);
+    let mut bodies = HashSet::from([first.data.clone()]);
+    let mut by_ahead = Vec::new();
+    for _ in 0..8 {
+        let (source, delivery) = next_delivery(&mut consumption).await;
+        assert_eq!(
+            source,
+            Source::Work {
+                queue: 0,
+                ahead: true
+            },
+            "the main consumer's one delivery is still in hand"
+        );
+        assert!(bodies.insert(delivery.data.clone()), "delivered once");
+        by_ahead.push(delivery);
+    }
+    consumption.control.stop_looking_ahead(0).await.unwrap();
+    for delivery in by_ahead.iter().chain([&first]) {
+        consumption.acks.ack(delivery).await.unwrap();
+    }
+    while bodies.len() < JOBS {
+        let (source, delivery) = next_delivery(&mut consumption).await;
+        assert_eq!(source, main, "a cancelled look-ahead takes no more");
+        assert!(bodies.insert(delivery.data.clone()), "delivered once");
+        consumption.acks.ack(&delivery).await.unwrap();
+    }
+    // Anything left unacked would return to the queue as the channel closes.
+    consumption.control.close().await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(env.pending().await, 0, "every delivery was acked once");
+    env.cleanup().await;
+}
+
+async fn next_delivery(
+    consumption: &mut tollgate_amqp::Consumption,
+) -> (
+    tollgate_amqp::Source,
+    tollgate_amqp::lapin::message::Delivery,
+) {
+    use futures::StreamExt;
+    let (source, delivery) =
+        tokio::time::timeout(Duration::from_secs(10), consumption.deliveries.next())
+            .await
+            .expect("a delivery")
+            .expect("the consumers live");
+    (source, delivery.unwrap())
 }

@@ -511,6 +511,15 @@ impl Drop for PrivateRedis {
     }
 }
 
+/// When the provider received each request of `tenant`, in order.
+pub fn arrivals_of(received: &[Received], tenant: &str) -> Vec<std::time::Instant> {
+    received
+        .iter()
+        .filter(|r| r.tenant == tenant)
+        .map(|r| r.instant)
+        .collect()
+}
+
 /// Accepted sends per idempotency key: a provider that honours
 /// `Idempotency-Key` performs each key's effect once, however many requests
 /// carry it. Returns (keys with an effect, requests repeating a key).

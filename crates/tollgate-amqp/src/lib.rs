@@ -10,7 +10,7 @@ mod topology;
 
 use std::time::Duration;
 
-use futures::stream::{self, BoxStream, StreamExt};
+use futures::stream::{BoxStream, SelectAll, StreamExt};
 use lapin::message::Delivery;
 use lapin::options::{
     BasicCancelOptions, BasicConsumeOptions, BasicGetOptions, BasicNackOptions,
@@ -437,34 +437,44 @@ impl Broker {
         prefetch: u16,
     ) -> Result<Consumption, AmqpError> {
         let channel = self.open_channel().await?;
-        let mut queues = self.topology.work_queues();
-        let share = prefetch.div_ceil(queues.len() as u16).max(1);
-        queues.extend(self.topology.queues(ShardQueue::Return));
-        queues.extend(self.topology.queues(ShardQueue::Recheck));
-        queues.extend(self.draining.lock().expect("not poisoned").iter().cloned());
-        let mut consumers = Vec::with_capacity(queues.len());
+        let work = self.topology.work_queues();
+        let share = prefetch.div_ceil(work.len() as u16).max(1);
+        let mut queues: Vec<(String, Source)> = work
+            .iter()
+            .enumerate()
+            .map(|(queue, name)| {
+                let source = Source::Work {
+                    queue,
+                    ahead: false,
+                };
+                (name.clone(), source)
+            })
+            .collect();
+        let draining = self.draining.lock().expect("not poisoned").clone();
+        let others = [ShardQueue::Return, ShardQueue::Recheck]
+            .into_iter()
+            .flat_map(|kind| self.topology.queues(kind))
+            .chain(draining);
+        queues.extend(others.map(|name| (name, Source::Other)));
+        let mut deliveries = SelectAll::new();
         let mut tags = Vec::with_capacity(queues.len());
-        for (i, queue) in queues.iter().enumerate() {
-            // basic.qos with global=false applies to consumers created after it.
-            channel
-                .basic_qos(share, BasicQosOptions { global: false })
-                .await?;
+        for (i, (queue, source)) in queues.into_iter().enumerate() {
             let tag = ShortString::from(format!("{consumer_name}.{i}"));
-            let consumer = channel
-                .basic_consume(
-                    queue.as_str().into(),
-                    tag.clone(),
-                    BasicConsumeOptions::default(),
-                    FieldTable::default(),
-                )
-                .await?;
-            consumers.push(consumer);
+            deliveries.push(consume_from(&channel, &queue, tag.clone(), share, source).await?);
             tags.push(tag);
         }
         Ok(Consumption {
-            deliveries: stream::select_all(consumers).boxed(),
+            deliveries,
             acks: Acks::default(),
-            control: ConsumerControl { channel, tags },
+            control: ConsumerControl {
+                channel,
+                consumer_name: consumer_name.to_owned(),
+                ahead: std::sync::Mutex::new(vec![Vec::new(); work.len()]),
+                work,
+                share,
+                tags,
+                opening: tokio::sync::Mutex::new(0),
+            },
         })
     }
 
@@ -647,23 +657,96 @@ enum Sweep {
 /// them: cancel the consumers (no new deliveries) but keep the channel open
 /// until in-flight deliveries are acked.
 pub struct Consumption {
-    pub deliveries: BoxStream<'static, Result<Delivery, lapin::Error>>,
+    pub deliveries: Arrivals,
     /// Settles the deliveries (they share one channel).
     pub acks: Acks,
     pub control: ConsumerControl,
 }
 
-/// Stops the consumers of a [`Consumption`].
+/// Which consumer a delivery came by.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Source {
+    /// A work queue (its index in [`Topology::work_queues`]), by its main
+    /// consumer or by a look-ahead one ([`ConsumerControl::look_ahead`]).
+    Work { queue: usize, ahead: bool },
+    /// A return, recheck or draining queue.
+    Other,
+}
+
+/// The deliveries of every consumer of a [`Consumption`], each with its
+/// source; consumers opened later are pushed in.
+pub type Arrivals = SelectAll<BoxStream<'static, (Source, Result<Delivery, lapin::Error>)>>;
+
+/// Starts and stops the consumers of a [`Consumption`].
 pub struct ConsumerControl {
     channel: Channel,
+    consumer_name: String,
+    work: Vec<String>,
+    /// Each main consumer's prefetch.
+    share: u16,
     tags: Vec<ShortString>,
+    /// The look-ahead consumers open on each work queue.
+    ahead: std::sync::Mutex<Vec<Vec<ShortString>>>,
+    /// Held from a look-ahead's `basic.qos` to its `basic.consume` (the
+    /// prefetch applies to the next consumer made on the channel); counts
+    /// the look-aheads opened, for unique tags.
+    opening: tokio::sync::Mutex<u64>,
 }
 
 impl ConsumerControl {
+    /// Each main consumer's prefetch: its queue's share of the pod's.
+    pub fn share(&self) -> u16 {
+        self.share
+    }
+
+    /// Opens one more consumer on work queue `queue` with its own
+    /// `prefetch`, on the same channel (so the same [`Acks`] settle its
+    /// deliveries); push the stream into the [`Arrivals`].
+    pub async fn look_ahead(
+        &self,
+        queue: usize,
+        prefetch: u16,
+    ) -> Result<BoxStream<'static, (Source, Result<Delivery, lapin::Error>)>, AmqpError> {
+        bounded("a look-ahead consumer", async {
+            let mut opened = self.opening.lock().await;
+            *opened += 1;
+            let tag = ShortString::from(format!("{}.ahead.{queue}.{opened}", self.consumer_name));
+            let source = Source::Work { queue, ahead: true };
+            let stream = consume_from(
+                &self.channel,
+                &self.work[queue],
+                tag.clone(),
+                prefetch,
+                source,
+            )
+            .await?;
+            self.ahead.lock().expect("not poisoned")[queue].push(tag);
+            Ok(stream)
+        })
+        .await
+    }
+
+    /// Cancels every look-ahead consumer of work queue `queue`; their
+    /// deliveries in hand can still be acked.
+    pub async fn stop_looking_ahead(&self, queue: usize) -> Result<(), AmqpError> {
+        let tags = std::mem::take(&mut self.ahead.lock().expect("not poisoned")[queue]);
+        self.cancel_tags(&tags).await
+    }
+
     /// Stops new deliveries; deliveries in hand can still be acked.
     pub async fn cancel(&self) -> Result<(), AmqpError> {
+        let ahead: Vec<ShortString> =
+            std::mem::take(&mut *self.ahead.lock().expect("not poisoned"))
+                .into_iter()
+                .flatten()
+                .collect();
+        self.cancel_tags(&ahead).await?;
+        self.cancel_tags(&self.tags).await
+    }
+
+    async fn cancel_tags(&self, tags: &[ShortString]) -> Result<(), AmqpError> {
         bounded("a consumer cancel", async {
-            for tag in &self.tags {
+            for tag in tags {
                 self.channel
                     .basic_cancel(tag.clone(), BasicCancelOptions::default())
                     .await?;
@@ -680,6 +763,30 @@ impl ConsumerControl {
         })
         .await;
     }
+}
+
+/// A consumer of `queue` on `channel` with its own `prefetch`, its
+/// deliveries marked with `source`.
+async fn consume_from(
+    channel: &Channel,
+    queue: &str,
+    tag: ShortString,
+    prefetch: u16,
+    source: Source,
+) -> Result<BoxStream<'static, (Source, Result<Delivery, lapin::Error>)>, AmqpError> {
+    // basic.qos with global=false applies to consumers created after it.
+    channel
+        .basic_qos(prefetch, BasicQosOptions { global: false })
+        .await?;
+    let consumer = channel
+        .basic_consume(
+            queue.into(),
+            tag,
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await?;
+    Ok(consumer.map(move |delivery| (source, delivery)).boxed())
 }
 
 fn passive() -> QueueDeclareOptions {

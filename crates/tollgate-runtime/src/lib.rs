@@ -11,6 +11,7 @@ pub mod baseline;
 pub mod commit;
 pub mod health;
 pub mod holds;
+pub mod lookahead;
 pub mod metrics;
 pub mod parked;
 pub mod settings;

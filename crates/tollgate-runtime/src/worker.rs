@@ -12,7 +12,7 @@
 
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
@@ -22,7 +22,7 @@ use tokio::sync::watch;
 use tokio::task::JoinSet;
 use tollgate_amqp::headers;
 use tollgate_amqp::lapin::message::Delivery;
-use tollgate_amqp::{Acks, Broker, ConsumerControl, Nodes, Topology};
+use tollgate_amqp::{Acks, Broker, ConsumerControl, Consumption, Nodes, Source, Topology};
 use tollgate_core::job::{Limits, decode};
 use tollgate_core::outcome::classify;
 use tollgate_core::ports::{
@@ -40,6 +40,7 @@ use crate::baseline::Baseline;
 use crate::commit::{CommitGate, Commitment, Shield};
 use crate::health::Dependency;
 use crate::holds::HoldGate;
+use crate::lookahead::{Lookahead, Step, Via};
 use crate::metrics::{Metrics, UNKNOWN_TENANT};
 use crate::parked::{FLUSH_EVERY, ParkTally};
 use crate::settings::WorkerSettings;
@@ -101,6 +102,21 @@ pub struct Worker<P, V> {
     seeder: std::sync::Mutex<Option<Seeder>>,
     /// Parks not yet counted in Redis (the console's parked figures).
     parked: ParkTally,
+    /// Numbers the sessions, so a delivery settled after its session was
+    /// lost is not counted against the next one's consumers.
+    sessions: AtomicU64,
+}
+
+/// No look-ahead consumer opens while a pod holds this many bytes of
+/// deliveries (a 2,000-job burst of 1 KiB bodies is 2 MiB).
+const LOOKAHEAD_MAX_BYTES: usize = 64 << 20;
+
+/// A delivery's task, done: what the look-ahead counts.
+struct Done {
+    session: u64,
+    source: Source,
+    bytes: usize,
+    settled: Settled,
 }
 
 /// The quota baseline and how often to make sure Redis holds it.
@@ -190,6 +206,7 @@ impl LiveWorker {
             throttles: LocalThrottles::default(),
             seeder: std::sync::Mutex::new(seeder),
             parked: ParkTally::default(),
+            sessions: AtomicU64::new(0),
             quotas: store(),
             ceiling: s.pod_max_rate.map(|rate| {
                 let period = Duration::from_micros(rate.interval_micros());
@@ -218,11 +235,47 @@ impl Readiness {
 /// How long a Redis readiness answer is reused.
 const READINESS_TTL: Duration = Duration::from_secs(1);
 
+/// A work queue's delivery: its queue and the consumer it came by.
+fn work_of(source: Source) -> Option<(usize, Via)> {
+    match source {
+        Source::Work { queue, ahead } => Some((queue, if ahead { Via::Ahead } else { Via::Main })),
+        Source::Other => None,
+    }
+}
+
+/// Carries out a look-ahead step on the session's consumers. A consumer
+/// that cannot be opened or cancelled is logged: the channel is failing,
+/// and the session ends with it.
+async fn look_ahead(consumption: &mut Consumption, work_queues: &[String], step: Step) {
+    match step {
+        Step::Open { queue, prefetch } => {
+            match consumption.control.look_ahead(queue, prefetch).await {
+                Ok(stream) => {
+                    consumption.deliveries.push(stream);
+                    info!(
+                        queue = %work_queues[queue],
+                        prefetch,
+                        "a work queue delivers only jobs to park: looking further ahead"
+                    );
+                }
+                Err(e) => warn!(error = %e, "opening a look-ahead consumer"),
+            }
+        }
+        Step::Close { queue } => match consumption.control.stop_looking_ahead(queue).await {
+            Ok(()) => info!(
+                queue = %work_queues[queue],
+                "a work queue delivers due work or nothing: back to its share of the prefetch"
+            ),
+            Err(e) => warn!(error = %e, "cancelling look-ahead consumers"),
+        },
+    }
+}
+
 /// How a session ended.
 enum SessionEnd {
     /// Shutdown was asked for; the consumers are cancelled and the channel
     /// stays open until in-flight deliveries are acked.
-    Shutdown(ConsumerControl, Arc<Broker>),
+    Shutdown(Box<ConsumerControl>, Arc<Broker>),
     /// Shutdown was asked for before the session was consuming.
     Stopped,
     /// The connection or the consumer was lost.
@@ -383,7 +436,7 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
         }
         let _ = watching.await;
         info!(in_flight = tasks.len(), "draining in-flight deliveries");
-        let drain = async |tasks: &mut JoinSet<Settled>| while tasks.join_next().await.is_some() {};
+        let drain = async |tasks: &mut JoinSet<Done>| while tasks.join_next().await.is_some() {};
         let calls_end = grace_ends - self.commit_reserve.min(self.shutdown_grace);
         let _ = tokio::time::timeout_at(calls_end, drain(&mut tasks)).await;
         if !tasks.is_empty() {
@@ -490,7 +543,7 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
     /// Shutdown is heard at every step, connecting included.
     async fn session(
         self: &Arc<Self>,
-        tasks: &mut JoinSet<Settled>,
+        tasks: &mut JoinSet<Done>,
         shutdown: &mut std::pin::Pin<&mut impl Future<Output = ()>>,
     ) -> anyhow::Result<SessionEnd> {
         let (broker, mut consumption) = tokio::select! {
@@ -501,12 +554,19 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
         self.amqp_health.up();
         self.set_consuming(true);
         info!(name = %self.name, prefetch = self.prefetch, "worker consuming");
+        let session = self.sessions.fetch_add(1, Ordering::Relaxed);
+        let work_queues = self.topology.work_queues();
+        let share = consumption.control.share();
+        let mut lookahead = Lookahead::new(work_queues.len(), share, LOOKAHEAD_MAX_BYTES);
+        let started = tokio::time::Instant::now();
+        let ms = || started.elapsed().as_millis() as i64;
         let mut health = tokio::time::interval(Duration::from_secs(1));
         let lost = loop {
-            tokio::select! {
+            let step = tokio::select! {
                 () = shutdown.as_mut() => break None,
                 next = consumption.deliveries.next() => match next {
-                    Some(Ok(delivery)) => {
+                    Some((source, Ok(delivery))) => {
+                        let bytes = delivery.data.len();
                         let (worker, broker) = (Arc::clone(self), Arc::clone(&broker));
                         let acks = consumption.acks.clone();
                         // Boxed: the job's state machine (12.5 KB in a release
@@ -514,13 +574,25 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
                         // through spawn's layers by pointer (memmove fell from
                         // 7.3 % to 4.6 % of the worker's time at prefetch 64).
                         tasks.spawn(Box::pin(async move {
-                            worker.settle(&broker, &acks, delivery).await
+                            let settled = worker.settle(&broker, &acks, delivery).await;
+                            Done { session, source, bytes, settled }
                         }));
+                        work_of(source).and_then(|(queue, via)| {
+                            lookahead.delivered(queue, via, bytes, ms())
+                        })
                     }
-                    Some(Err(e)) => break Some(e.to_string()),
+                    Some((_, Err(e))) => break Some(e.to_string()),
                     None => break Some("the broker cancelled the consumer".to_owned()),
                 },
-                Some(_) = tasks.join_next(), if !tasks.is_empty() => {}
+                Some(done) = tasks.join_next(), if !tasks.is_empty() => match done {
+                    Ok(done) if done.session == session => {
+                        work_of(done.source).and_then(|(queue, via)| {
+                            let parked = matches!(done.settled, Settled::Parked(_));
+                            lookahead.settled(queue, via, done.bytes, parked)
+                        })
+                    }
+                    _ => None,
+                },
                 _ = health.tick() => {
                     if !broker.connection_alive() {
                         break Some("the connection closed".to_owned());
@@ -530,7 +602,14 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
                     {
                         warn!(error = %e, "reopening the publisher channel");
                     }
+                    for step in lookahead.tick(ms()) {
+                        look_ahead(&mut consumption, &work_queues, step).await;
+                    }
+                    None
                 }
+            };
+            if let Some(step) = step {
+                look_ahead(&mut consumption, &work_queues, step).await;
             }
         };
         self.set_consuming(false);
@@ -545,7 +624,7 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
                 if let Err(e) = consumption.control.cancel().await {
                     warn!(error = %e, "cancelling consumers");
                 }
-                Ok(SessionEnd::Shutdown(consumption.control, broker))
+                Ok(SessionEnd::Shutdown(Box::new(consumption.control), broker))
             }
         }
     }
