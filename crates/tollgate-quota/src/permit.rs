@@ -17,7 +17,7 @@
 //! back for its slot always asks Redis. Nothing cached lives longer than
 //! `denial_cache_ttl`.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
@@ -509,8 +509,21 @@ struct Call {
     /// Its reply reads Redis's clock (no `now` override): a sample of the
     /// clocks' offset.
     reads_clock: bool,
+    /// A permit decision for a tenant this pod already holds a backlog of
+    /// (see [`BACKLOG_SHARE`]).
+    backlog: bool,
     done: oneshot::Sender<Result<Vec<i64>, QuotaError>>,
 }
+
+/// A batch's places for decisions of tenants backlogged in this pod. A
+/// tenant with no hold room left here is denied with a place in line and
+/// parks (`reserve_within`); what can send now (a quiet tenant's job, a
+/// completion an ack waits on) must not queue behind the hundreds of such
+/// decisions a fresh backlog asks for at once: in this pod's next call, nor
+/// in Redis behind another pod's (a call holds Redis while it runs). So
+/// each call carries at most this many, and every other call waiting
+/// besides; a backlog still gets its places in every call.
+const BACKLOG_SHARE: usize = BATCH_MAX / 4;
 
 /// The pod's calls of `batch.lua`: whatever permit decisions and
 /// completions queued while one call was in flight go in the next, so an
@@ -549,6 +562,20 @@ impl Batched {
         args: Vec<String>,
         reads_clock: bool,
     ) -> Result<Vec<i64>, QuotaError> {
+        self.call_in_lane(group, keys, args, reads_clock, false)
+            .await
+    }
+
+    /// [`Batched::call`], for a call that `backlog` may put behind the
+    /// others waiting ([`BACKLOG_SHARE`]).
+    async fn call_in_lane(
+        &self,
+        group: Group,
+        keys: Vec<String>,
+        args: Vec<String>,
+        reads_clock: bool,
+        backlog: bool,
+    ) -> Result<Vec<i64>, QuotaError> {
         let queue = self.queue.get_or_init(|| {
             let (queue, calls) = mpsc::unbounded_channel();
             tokio::spawn(call_in_batches(
@@ -567,10 +594,51 @@ impl Batched {
                 keys,
                 args,
                 reads_clock,
+                backlog,
                 done,
             })
             .map_err(|_| stopped())?;
         reply.await.unwrap_or_else(|_| Err(stopped()))
+    }
+}
+
+/// The calls waiting for a batch, in two lanes ([`BACKLOG_SHARE`]).
+#[derive(Default)]
+struct Lanes {
+    first: VecDeque<Call>,
+    backlog: VecDeque<Call>,
+}
+
+impl Lanes {
+    /// The next batch: every call queued since the last (waiting for one
+    /// when none is), the backlog's decisions behind the rest. `None` once
+    /// the queue is closed and empty.
+    async fn next_batch(&mut self, queue: &mut mpsc::UnboundedReceiver<Call>) -> Option<Vec<Call>> {
+        let mut incoming = Vec::new();
+        if self.first.is_empty()
+            && self.backlog.is_empty()
+            && queue.recv_many(&mut incoming, BATCH_MAX).await == 0
+        {
+            return None;
+        }
+        while let Ok(call) = queue.try_recv() {
+            incoming.push(call);
+        }
+        for call in incoming {
+            if call.backlog {
+                self.backlog.push_back(call);
+            } else {
+                self.first.push_back(call);
+            }
+        }
+        let backlog = self.backlog.len().min(BACKLOG_SHARE);
+        let first = self.first.len().min(BATCH_MAX - backlog);
+        Some(
+            self.first
+                .drain(..first)
+                .chain(self.backlog.drain(..backlog))
+                .collect(),
+        )
     }
 }
 
@@ -580,10 +648,10 @@ async fn call_in_batches(
     mut queue: mpsc::UnboundedReceiver<Call>,
     clock: Arc<Mutex<ClockOffset>>,
 ) {
-    let mut batch = Vec::with_capacity(BATCH_MAX);
-    while queue.recv_many(&mut batch, BATCH_MAX).await > 0 {
+    let mut waiting = Lanes::default();
+    while let Some(mut batch) = waiting.next_batch(&mut queue).await {
         if !redis.is_cluster() {
-            call_once(&redis, &script, std::mem::take(&mut batch), &clock).await;
+            call_once(&redis, &script, batch, &clock).await;
             continue;
         }
         // On a cluster a call may name the keys of one slot only: one call
@@ -983,11 +1051,12 @@ impl RedisPermits {
             .into();
         let reply = self
             .calls
-            .call(
+            .call_in_lane(
                 Group::Permit,
                 keys,
                 args.in_order().into(),
                 now_micros.is_none(),
+                req.reserve_within.is_some(),
             )
             .await?;
         let at = |i: usize| Duration::from_micros(reply.get(i).copied().unwrap_or(0).max(0) as u64);
@@ -1514,5 +1583,79 @@ mod send_time {
         // Read after it passed: due at once, from its own millisecond.
         let (delay, _) = send_on_pod_clock(1_003_400, Duration::from_millis(3), 1_003_500);
         assert_eq!(delay, Duration::from_millis(3));
+    }
+}
+
+#[cfg(test)]
+mod lanes {
+    use super::*;
+
+    fn call(n: usize, backlog: bool) -> Call {
+        Call {
+            group: if backlog {
+                Group::Permit
+            } else {
+                Group::Complete
+            },
+            keys: vec![n.to_string()],
+            args: Vec::new(),
+            reads_clock: false,
+            backlog,
+            done: oneshot::channel().0,
+        }
+    }
+
+    fn numbers(batch: &[Call]) -> Vec<usize> {
+        batch.iter().map(|c| c.keys[0].parse().unwrap()).collect()
+    }
+
+    #[tokio::test]
+    async fn a_backlog_takes_a_quarter_of_each_call_and_the_rest_go_first() {
+        let (queue, mut calls) = mpsc::unbounded_channel();
+        for n in 0..100 {
+            queue.send(call(n, true)).unwrap();
+        }
+        for n in 100..103 {
+            queue.send(call(n, false)).unwrap();
+        }
+        let mut lanes = Lanes::default();
+        let first = lanes.next_batch(&mut calls).await.unwrap();
+        let expected: Vec<usize> = (100..103).chain(0..BACKLOG_SHARE).collect();
+        assert_eq!(
+            numbers(&first),
+            expected,
+            "the others first, then the backlog in order"
+        );
+        // A call queued meanwhile goes in the next batch, before the backlog.
+        queue.send(call(103, false)).unwrap();
+        let second = lanes.next_batch(&mut calls).await.unwrap();
+        let expected: Vec<usize> = std::iter::once(103)
+            .chain(BACKLOG_SHARE..2 * BACKLOG_SHARE)
+            .collect();
+        assert_eq!(numbers(&second), expected);
+        drop(queue);
+        let mut rest = Vec::new();
+        while let Some(batch) = lanes.next_batch(&mut calls).await {
+            assert!(batch.len() <= BACKLOG_SHARE, "{} in one call", batch.len());
+            rest.extend(numbers(&batch));
+        }
+        assert_eq!(
+            rest,
+            (2 * BACKLOG_SHARE..100).collect::<Vec<_>>(),
+            "none lost"
+        );
+    }
+
+    #[tokio::test]
+    async fn without_a_backlog_a_call_carries_up_to_the_batch_limit() {
+        let (queue, mut calls) = mpsc::unbounded_channel();
+        for n in 0..100 {
+            queue.send(call(n, false)).unwrap();
+        }
+        let mut lanes = Lanes::default();
+        let first = lanes.next_batch(&mut calls).await.unwrap();
+        assert_eq!(numbers(&first), (0..BATCH_MAX).collect::<Vec<_>>());
+        let second = lanes.next_batch(&mut calls).await.unwrap();
+        assert_eq!(numbers(&second), (BATCH_MAX..100).collect::<Vec<_>>());
     }
 }
