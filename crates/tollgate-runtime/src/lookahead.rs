@@ -12,8 +12,8 @@
 //!
 //! So while a work queue's consumer is full and what its queue delivers is
 //! nearly all parked, the pod opens a look-ahead consumer on the same
-//! queue, then another of twice the size while that one fills the same
-//! way: the pod takes the burst in as fast as the broker delivers it, parks
+//! queue, then another of twice the size as soon as that one is half full
+//! the same way: the pod takes the burst in ahead of parking it, parks
 //! it side by side, and a due job behind it reaches the provider without
 //! waiting for every park before it. The look-ahead closes as soon as the
 //! queue delivers work that is not parked (a pod must not take due work
@@ -150,7 +150,9 @@ impl Lookahead {
         let bytes_left = self.held_bytes < self.max_bytes;
         let q = &mut self.queues[queue];
         let capacity: u32 = q.open.iter().map(|&p| u32::from(p)).sum();
-        let full = q.main >= self.share && q.ahead >= capacity;
+        // Half full: the next opens while the last still has room, so the
+        // pod's deliveries in hand run ahead of its parking.
+        let full = q.main >= self.share && q.ahead * 2 >= capacity;
         let parking = q.seen >= Self::MIN_SEEN && q.parked() * 4 >= q.seen * 3;
         if !(full && parking && bytes_left && q.open.len() < Self::MAX_DEPTH) {
             return None;
@@ -249,6 +251,22 @@ mod tests {
             .map(|k| Lookahead::FIRST << k)
             .collect();
         assert_eq!(opened, doubling);
+    }
+
+    #[test]
+    fn the_next_look_ahead_opens_once_the_last_is_half_full() {
+        let (mut l, _) = backed_up(Lookahead::MIN_SEEN);
+        let half = u32::from(Lookahead::FIRST) / 2;
+        for _ in 1..half {
+            assert_eq!(l.delivered(0, Via::Ahead, 10, 0), None);
+        }
+        assert_eq!(
+            l.delivered(0, Via::Ahead, 10, 0),
+            Some(Step::Open {
+                queue: 0,
+                prefetch: 2 * Lookahead::FIRST
+            })
+        );
     }
 
     #[test]
