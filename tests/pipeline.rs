@@ -395,12 +395,12 @@ async fn coalesced_acks_never_settle_a_delivery_still_in_work() {
 /// each message once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_look_ahead_takes_deliveries_past_the_prefetch_until_cancelled() {
-    use tollgate_amqp::Source;
+    use tollgate_amqp::{Source, Via};
 
     const JOBS: usize = 30;
     let main = Source::Work {
         queue: 0,
-        ahead: false,
+        via: Via::Main,
     };
     let env = TestEnv::new_with("http://127.0.0.1:9", |c| c.shards = 1).await;
     for i in 0..JOBS {
@@ -421,7 +421,7 @@ async fn a_look_ahead_takes_deliveries_past_the_prefetch_until_cancelled() {
             source,
             Source::Work {
                 queue: 0,
-                ahead: true
+                via: Via::Ahead
             },
             "the main consumer's one delivery is still in hand"
         );

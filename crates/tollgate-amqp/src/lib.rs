@@ -445,7 +445,7 @@ impl Broker {
             .map(|(queue, name)| {
                 let source = Source::Work {
                     queue,
-                    ahead: false,
+                    via: Via::Main,
                 };
                 (name.clone(), source)
             })
@@ -666,11 +666,19 @@ pub struct Consumption {
 /// Which consumer a delivery came by.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Source {
-    /// A work queue (its index in [`Topology::work_queues`]), by its main
-    /// consumer or by a look-ahead one ([`ConsumerControl::look_ahead`]).
-    Work { queue: usize, ahead: bool },
+    /// A work queue (its index in [`Topology::work_queues`]).
+    Work { queue: usize, via: Via },
     /// A return, recheck or draining queue.
     Other,
+}
+
+/// Which of a work queue's consumers a delivery came by.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Via {
+    /// The queue's main consumer, with its share of the prefetch.
+    Main,
+    /// A look-ahead consumer ([`ConsumerControl::look_ahead`]).
+    Ahead,
 }
 
 /// The deliveries of every consumer of a [`Consumption`], each with its
@@ -699,6 +707,11 @@ impl ConsumerControl {
         self.share
     }
 
+    /// The work queues consumed, in [`Source::Work`]'s order.
+    pub fn work_queues(&self) -> &[String] {
+        &self.work
+    }
+
     /// Opens one more consumer on work queue `queue` with its own
     /// `prefetch`, on the same channel (so the same [`Acks`] settle its
     /// deliveries); push the stream into the [`Arrivals`].
@@ -711,7 +724,10 @@ impl ConsumerControl {
             let mut opened = self.opening.lock().await;
             *opened += 1;
             let tag = ShortString::from(format!("{}.ahead.{queue}.{opened}", self.consumer_name));
-            let source = Source::Work { queue, ahead: true };
+            let source = Source::Work {
+                queue,
+                via: Via::Ahead,
+            };
             let stream = consume_from(
                 &self.channel,
                 &self.work[queue],

@@ -24,6 +24,8 @@
 //! This is the decision only, with injected time; the worker carries it
 //! out against the broker.
 
+pub use tollgate_amqp::Via;
+
 /// What a work queue's traffic should do to its look-ahead.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Step {
@@ -31,13 +33,6 @@ pub enum Step {
     Open { queue: usize, prefetch: u16 },
     /// Cancel every look-ahead consumer of `queue`.
     Close { queue: usize },
-}
-
-/// Which consumer of a work queue a delivery came by.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Via {
-    Main,
-    Ahead,
 }
 
 /// The look-ahead decision for a pod's work queues.

@@ -238,7 +238,7 @@ const READINESS_TTL: Duration = Duration::from_secs(1);
 /// A work queue's delivery: its queue and the consumer it came by.
 fn work_of(source: Source) -> Option<(usize, Via)> {
     match source {
-        Source::Work { queue, ahead } => Some((queue, if ahead { Via::Ahead } else { Via::Main })),
+        Source::Work { queue, via } => Some((queue, via)),
         Source::Other => None,
     }
 }
@@ -246,14 +246,14 @@ fn work_of(source: Source) -> Option<(usize, Via)> {
 /// Carries out a look-ahead step on the session's consumers. A consumer
 /// that cannot be opened or cancelled is logged: the channel is failing,
 /// and the session ends with it.
-async fn look_ahead(consumption: &mut Consumption, work_queues: &[String], step: Step) {
+async fn look_ahead(consumption: &mut Consumption, step: Step) {
     match step {
         Step::Open { queue, prefetch } => {
             match consumption.control.look_ahead(queue, prefetch).await {
                 Ok(stream) => {
                     consumption.deliveries.push(stream);
                     info!(
-                        queue = %work_queues[queue],
+                        queue = %consumption.control.work_queues()[queue],
                         prefetch,
                         "a work queue delivers only jobs to park: looking further ahead"
                     );
@@ -263,7 +263,7 @@ async fn look_ahead(consumption: &mut Consumption, work_queues: &[String], step:
         }
         Step::Close { queue } => match consumption.control.stop_looking_ahead(queue).await {
             Ok(()) => info!(
-                queue = %work_queues[queue],
+                queue = %consumption.control.work_queues()[queue],
                 "a work queue delivers due work or nothing: back to its share of the prefetch"
             ),
             Err(e) => warn!(error = %e, "cancelling look-ahead consumers"),
@@ -555,9 +555,11 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
         self.set_consuming(true);
         info!(name = %self.name, prefetch = self.prefetch, "worker consuming");
         let session = self.sessions.fetch_add(1, Ordering::Relaxed);
-        let work_queues = self.topology.work_queues();
-        let share = consumption.control.share();
-        let mut lookahead = Lookahead::new(work_queues.len(), share, LOOKAHEAD_MAX_BYTES);
+        let mut lookahead = Lookahead::new(
+            consumption.control.work_queues().len(),
+            consumption.control.share(),
+            LOOKAHEAD_MAX_BYTES,
+        );
         let started = tokio::time::Instant::now();
         let ms = || started.elapsed().as_millis() as i64;
         let mut health = tokio::time::interval(Duration::from_secs(1));
@@ -603,13 +605,13 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
                         warn!(error = %e, "reopening the publisher channel");
                     }
                     for step in lookahead.tick(ms()) {
-                        look_ahead(&mut consumption, &work_queues, step).await;
+                        look_ahead(&mut consumption, step).await;
                     }
                     None
                 }
             };
             if let Some(step) = step {
-                look_ahead(&mut consumption, &work_queues, step).await;
+                look_ahead(&mut consumption, step).await;
             }
         };
         self.set_consuming(false);
