@@ -128,19 +128,6 @@ impl Lookahead {
         steps
     }
 
-    /// The consumers of every queue were lost (a new session starts over).
-    pub fn reset(&mut self) {
-        self.held_bytes = 0;
-        for q in &mut self.queues {
-            *q = QueueState::default();
-        }
-    }
-
-    /// Look-ahead consumers open on `queue`.
-    pub fn depth(&self, queue: usize) -> usize {
-        self.queues[queue].open.len()
-    }
-
     fn open_if_backed_up(&mut self, queue: usize) -> Option<Step> {
         let bytes_left = self.held_bytes < self.max_bytes;
         let q = &mut self.queues[queue];
@@ -198,7 +185,11 @@ mod tests {
                 prefetch: Lookahead::FIRST
             }]
         );
-        assert_eq!((l.depth(0), l.depth(1)), (1, 0), "only the backed-up queue");
+        assert_eq!(
+            (l.queues[0].open.len(), l.queues[1].open.len()),
+            (1, 0),
+            "only the backed-up queue"
+        );
     }
 
     #[test]
@@ -288,7 +279,7 @@ mod tests {
             }
         }
         assert_eq!(closed, Some(Step::Close { queue: 0 }));
-        assert_eq!(l.depth(0), 0);
+        assert!(l.queues[0].open.is_empty());
     }
 
     #[test]
