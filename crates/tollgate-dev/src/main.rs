@@ -10,6 +10,11 @@ use tollgate::logging;
 use tollgate_dev::bench::BenchArgs;
 use tollgate_dev::demo::DemoArgs;
 
+/// The product's allocator (see `tollgate`'s `main.rs`): the benchmarks'
+/// in-process pods and their minimal pipeline run on what production runs.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[derive(Debug, Parser)]
 #[command(
     name = "tollgate-dev",
