@@ -105,7 +105,6 @@ async fn throttle(permits: &RedisPermits, job: &Job, scope: ThrottleScope, now: 
             job.request(),
             PermitUse::CallFailed,
             throttled(scope),
-            None,
             Some(now),
         )
         .await
@@ -115,7 +114,7 @@ async fn throttle(permits: &RedisPermits, job: &Job, scope: ThrottleScope, now: 
 /// `job`'s call accepted at `now`: what was learned.
 async fn sent(permits: &RedisPermits, job: &Job, now: u64) -> Learned {
     permits
-        .record(job.request(), PermitUse::Sent, None, None, Some(now))
+        .record(job.request(), PermitUse::Sent, None, Some(now))
         .await
         .unwrap()
 }
@@ -156,7 +155,7 @@ proptest! {
                 now += gap;
                 let penalty = if is_429 { throttled(ThrottleScope::Tenant) } else { None };
                 let used = if is_429 { PermitUse::CallFailed } else { PermitUse::Sent };
-                let learned = permits.record(job.request(), used, penalty, None, Some(now)).await.unwrap();
+                let learned = permits.record(job.request(), used, penalty, Some(now)).await.unwrap();
                 if is_429 { spec.throttled(&tuning, now); } else { spec.sent(&tuning, now); }
                 spec.audit(&tuning, now);
                 let stored = store.learning(&target, &tuning).await.unwrap();
@@ -245,7 +244,7 @@ async fn permits_follow_the_learned_rate_and_a_plain_quota_forgets_it() {
     for _ in 0..400 {
         t += interval;
         let learned = permits
-            .record(job.request(), PermitUse::Sent, None, None, Some(t))
+            .record(job.request(), PermitUse::Sent, None, Some(t))
             .await
             .unwrap();
         rates.push(learned.tenant.unwrap());

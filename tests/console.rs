@@ -327,6 +327,16 @@ async fn an_operator_signs_in_sees_a_tenant_and_changes_its_quota() {
         .until_text("#tenant-table tbody tr:first-child", "quota: ")
         .await;
     assert!(row.contains("job(s) in line"), "{row}");
+    // Each pod adds its tally of calls twice a second.
+    wait_for(
+        "acme's sends counted with their due lags",
+        Duration::from_secs(10),
+        || async {
+            let a = env.activity("acme").await;
+            a.sent_per_s_10s > 0.0 && a.due_lag_p95_s.is_some()
+        },
+    )
+    .await;
     let sent = env.activity("acme").await;
     assert!(sent.sent_per_s_10s > 0.0 && sent.queued > 0, "{sent:?}");
     assert!(

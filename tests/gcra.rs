@@ -7,8 +7,14 @@ use std::time::Duration;
 
 use proptest::prelude::*;
 use tollgate_core::ports::{Penalty, PermitRequest, PermitUse, ThrottleScope};
-use tollgate_core::{IdempotencyKey, JobId, Kind, PermitDecision, Quota, TenantId};
-use tollgate_quota::{Keys, PermitSettings, QuotaStore, Redis, RedisPermits, Reply};
+use tollgate_core::{
+    Clock, IdempotencyKey, JobId, Kind, ParkReason, PermitDecision, ProviderOutcome, Quota,
+    TenantId,
+};
+use tollgate_quota::{
+    CallCount, Calls, Keys, ParkedCount, PermitSettings, QuotaStore, Redis, RedisPermits, Reply,
+};
+use tollgate_runtime::system_clock::SystemClock;
 
 const T0: u64 = 1_796_115_600_000_000; // microseconds
 
@@ -171,7 +177,6 @@ async fn granted_sends_around(
                     throttled,
                     PermitUse::CallFailed,
                     Some(penalty),
-                    None,
                     Some(T0 + at),
                 )
                 .await
@@ -393,7 +398,6 @@ fn a_tenant_scoped_429_leaves_other_tenants_of_the_route_alone() {
                 req(&noisy),
                 PermitUse::CallFailed,
                 Some(Penalty { wait, scope }),
-                None,
                 Some(T0),
             )
             .await
@@ -958,7 +962,7 @@ fn decisions_asked_at_once_each_get_their_own_answer() {
         let recorded = futures::future::join_all(
             (0..ids.len())
                 .step_by(2)
-                .map(|i| permits.record(fresh(i), PermitUse::Sent, None, None, Some(T0))),
+                .map(|i| permits.record(fresh(i), PermitUse::Sent, None, Some(T0))),
         )
         .await;
         assert!(recorded.into_iter().all(|r| r.is_ok()));
@@ -994,46 +998,99 @@ fn decisions_asked_at_once_each_get_their_own_answer() {
     });
 }
 
-/// The tenant's fleet-wide figures count provider calls only: a permit
-/// released without a call (shutting down, held back by a 429) is no
-/// failure; a call that failed is one, a send counts with its due lag.
+/// The tenants' fleet-wide figures are what the pods' tallies add: two
+/// pods' calls add up, each tenant's in its own ring, with their due lags,
+/// and so do their parked copies; a completion alone counts nothing (each
+/// call is counted once, by the pod that made it). A tenant with neither
+/// stored settings nor traffic before is listed from then on.
 #[test]
-fn only_provider_calls_count_in_a_tenants_figures() {
+fn the_pods_tallies_add_up_in_the_tenants_figures() {
     runtime().block_on(async {
         let (permits, quotas) = stores(Quota::new("10/s".parse().unwrap(), 5).unwrap());
-        let (tenant, route) = (TenantId::parse("acme").unwrap(), Kind::default_kind());
+        let (tallied, other, route) = (
+            TenantId::parse("tallied").unwrap(),
+            TenantId::parse("tallied-too").unwrap(),
+            Kind::default_kind(),
+        );
         let id = JobId::parse("j1").unwrap();
         let key = IdempotencyKey::from(&id);
-        let req = request(&tenant, &route, &id, &key);
-        let figures = || async {
-            quotas
-                .activity(std::slice::from_ref(&tenant))
-                .await
-                .unwrap()
-                .remove(0)
+        let figures = |tenant: &TenantId| {
+            let tenant = tenant.clone();
+            let quotas = &quotas;
+            async move { quotas.activity(&[tenant]).await.unwrap().remove(0) }
         };
+        assert!(quotas.tenant_names("tallied").await.unwrap().is_empty());
 
         permits
-            .record(req, PermitUse::Unused, None, None, None)
+            .record(
+                request(&tallied, &route, &id, &key),
+                PermitUse::Sent,
+                None,
+                None,
+            )
             .await
             .unwrap();
-        let unused = figures().await;
-        assert_eq!(unused.failed_5m, 0, "{unused:?}");
-        assert_eq!(unused.sent_per_s_10s, 0.0, "{unused:?}");
+        let completed = figures(&tallied).await;
+        assert_eq!(completed.sent_per_s_5m, 0.0, "{completed:?}");
 
-        permits
-            .record(req, PermitUse::CallFailed, None, None, None)
+        let calls = |tenant: &TenantId, outcomes: &[(ProviderOutcome, Option<u64>)]| {
+            let mut calls = Calls::default();
+            for (outcome, lag_ms) in outcomes {
+                calls.count(outcome, lag_ms.map(Duration::from_millis));
+            }
+            CallCount {
+                tenant: tenant.clone(),
+                calls,
+            }
+        };
+        let now_ms = SystemClock.now().0;
+        let parked = |tenant: &TenantId, copies| ParkedCount {
+            tenant: tenant.clone(),
+            reason: ParkReason::Quota,
+            bucket_ms: now_ms + 60_000,
+            copies,
+        };
+        let throttled = ProviderOutcome::Throttled { retry_after: None };
+        let sent = ProviderOutcome::Sent;
+        // Two pods, each with calls and parks of both tenants.
+        quotas
+            .count_activity(
+                &[parked(&tallied, 2), parked(&other, 1)],
+                &[
+                    calls(&tallied, &[(sent.clone(), Some(30)), (throttled, None)]),
+                    calls(&other, &[(sent.clone(), Some(3_000))]),
+                ],
+                now_ms,
+            )
             .await
             .unwrap();
-        let lag = Some(Duration::from_millis(30));
-        permits
-            .record(req, PermitUse::Sent, None, lag, None)
+        quotas
+            .count_activity(
+                &[parked(&tallied, 1)],
+                &[
+                    calls(
+                        &tallied,
+                        &[(sent.clone(), Some(5)), (ProviderOutcome::Failed, None)],
+                    ),
+                    calls(&other, &[(sent, None)]),
+                ],
+                now_ms,
+            )
             .await
             .unwrap();
-        let called = figures().await;
-        assert_eq!(called.failed_5m, 1, "{called:?}");
-        assert!(called.sent_per_s_10s > 0.0, "{called:?}");
-        assert_eq!(called.due_lag_p95_s, Some(0.05), "{called:?}");
+        let counted = figures(&tallied).await;
+        assert_eq!((counted.sent_per_s_5m * 300.0).round(), 2.0, "{counted:?}");
+        assert_eq!(counted.throttled_5m, 1, "{counted:?}");
+        assert_eq!(counted.failed_5m, 1, "{counted:?}");
+        assert_eq!(counted.due_lag_p95_s, Some(0.05), "{counted:?}");
+        assert_eq!(counted.parked, [(ParkReason::Quota, 3)], "{counted:?}");
+        let counted = figures(&other).await;
+        assert_eq!((counted.sent_per_s_5m * 300.0).round(), 2.0, "{counted:?}");
+        assert_eq!(counted.throttled_5m + counted.failed_5m, 0, "{counted:?}");
+        assert_eq!(counted.due_lag_p95_s, Some(5.0), "{counted:?}");
+        assert_eq!(counted.parked, [(ParkReason::Quota, 1)], "{counted:?}");
+        let listed = quotas.tenant_names("tallied").await.unwrap();
+        assert_eq!(listed, [tallied.clone(), other.clone()]);
         quotas.purge_prefix().await.unwrap();
     });
 }
@@ -1125,7 +1182,7 @@ fn a_completion_frees_its_place_under_the_concurrency_limit() {
             "one call in flight of one allowed"
         );
         permits
-            .record(req(0), PermitUse::Sent, None, None, Some(T0))
+            .record(req(0), PermitUse::Sent, None, Some(T0))
             .await
             .unwrap();
         assert!(
@@ -1137,7 +1194,7 @@ fn a_completion_frees_its_place_under_the_concurrency_limit() {
             PermitDecision::AtConcurrency { .. }
         ));
         permits
-            .record(req(1), PermitUse::CallFailed, None, None, Some(T0))
+            .record(req(1), PermitUse::CallFailed, None, Some(T0))
             .await
             .unwrap();
         assert!(matches!(decide(2).await, PermitDecision::Granted { .. }));
@@ -1275,7 +1332,6 @@ fn with_the_routes_keys_in_a_slot_of_their_own_an_account_wide_429_holds_every_t
                 request(&noisy, &route, &ids[0], &keys[0]),
                 PermitUse::CallFailed,
                 Some(penalty),
-                None,
                 Some(T0),
             )
             .await

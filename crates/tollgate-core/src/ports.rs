@@ -111,18 +111,15 @@ pub trait PermitStore: Send + Sync + 'static {
     fn ping(&self) -> impl Future<Output = Result<(), Self::Error>> + Send;
 
     /// After a provider call, or instead of one: record the key when
-    /// [`PermitUse::Sent`], release the lease and concurrency slot, count
-    /// the outcome of a call in the tenant's figures, and on a 429 push the tenant's (or, by the
-    /// route's scope, the route's) bucket past `penalty` so every pod backs
-    /// off. Adaptive quotas learn from the same outcome.
-    /// `due_lag`, for a job's first attempt, is how late it went out after
-    /// it was due (the fleet-wide due-lag figures count it).
+    /// [`PermitUse::Sent`], release the lease and concurrency slot, and on
+    /// a 429 push the tenant's (or, by the route's scope, the route's)
+    /// bucket past `penalty` so every pod backs off. Adaptive quotas learn
+    /// from the same outcome.
     fn complete(
         &self,
         req: PermitRequest<'_>,
         used: PermitUse,
         penalty: Option<Penalty>,
-        due_lag: Option<std::time::Duration>,
     ) -> impl Future<Output = Result<Learned, Self::Error>> + Send;
 }
 

@@ -1,6 +1,6 @@
 //! What each tenant is doing, fleet-wide, for the console: its sends, 429s
 //! and failures over the last 10 s and 5 minutes (the stats ring that
-//! `complete.lua` keeps), what is in flight, how many jobs wait in its
+//! `outcomes.lua` keeps from the pods' tallies), what is in flight, how many jobs wait in its
 //! lines for its quota, how many of its jobs are parked in a delay tier and
 //! why, and whether a 429's Retry-After holds it. Read only when someone
 //! looks: a handful of commands per tenant, in one pipeline.
@@ -8,13 +8,15 @@
 use std::time::Duration;
 
 use redis::Value;
-use tollgate_core::{ParkReason, TenantId};
+use tollgate_core::{ParkReason, ProviderOutcome, TenantId};
 
+use crate::store::ACTIVE_FOR_S;
 use crate::{QuotaError, QuotaStore, Settings};
 
 pub(crate) static PARKED_LUA: &str = crate::lua!("parked.lua");
+pub(crate) static OUTCOMES_LUA: &str = crate::lua!("outcomes.lua");
 
-/// The stats ring's shape; `complete.lua` writes it the same way.
+/// The stats ring's shape; `outcomes.lua` writes it the same way.
 const BUCKET_S: i64 = 10;
 const SLOTS: i64 = 32;
 /// The due-lag ring: one slot a minute, and the bins' upper bounds (ms).
@@ -179,6 +181,59 @@ pub fn parked_bucket(back_at_ms: i64, hop: Duration) -> i64 {
     back_at_ms.div_euclid(width_ms) * width_ms
 }
 
+/// A pod's count of one tenant's provider calls since it last added its
+/// tally to Redis ([`QuotaStore::count_activity`]): the tenant's figures
+/// are counted there, not by each job's completion, which writes only what
+/// a guarantee needs.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Calls {
+    pub sent: u32,
+    /// Answered 429.
+    pub throttled: u32,
+    /// Failed any other way.
+    pub failed: u32,
+    /// First attempts by how late they went out after they were due: one
+    /// count per bin of the due-lag ring, the last past its longest bound.
+    pub lags: [u32; LAG_BINS_MS.len() + 1],
+}
+
+impl Calls {
+    /// One provider call that ended in `outcome`; `due_lag` for a job's
+    /// first attempt.
+    pub fn count(&mut self, outcome: &ProviderOutcome, due_lag: Option<Duration>) {
+        match outcome {
+            ProviderOutcome::Sent => self.sent += 1,
+            ProviderOutcome::Throttled { .. } => self.throttled += 1,
+            _ => self.failed += 1,
+        }
+        if let Some(lag) = due_lag {
+            let ms = u64::try_from(lag.as_millis()).unwrap_or(u64::MAX);
+            let bin = LAG_BINS_MS
+                .iter()
+                .position(|&bound| ms <= bound)
+                .unwrap_or(LAG_BINS_MS.len());
+            self.lags[bin] += 1;
+        }
+    }
+
+    /// Adds `other`'s counts to these.
+    pub fn add(&mut self, other: &Calls) {
+        self.sent += other.sent;
+        self.throttled += other.throttled;
+        self.failed += other.failed;
+        for (mine, theirs) in self.lags.iter_mut().zip(other.lags) {
+            *mine += theirs;
+        }
+    }
+}
+
+/// [`Calls`] of one tenant to add to its stats.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CallCount {
+    pub tenant: TenantId,
+    pub calls: Calls,
+}
+
 /// How long a tenant's parked hash outlives its furthest bucket.
 const PARKED_KEEP_S: i64 = 60;
 
@@ -205,52 +260,107 @@ pub(crate) fn parked_now(fields: &[(String, i64)], now_ms: f64) -> Vec<(ParkReas
 }
 
 impl QuotaStore {
-    /// Adds `counts` to the tenants' parked hashes (one script call per
-    /// tenant) and keeps the tenants listed as active until their furthest
-    /// copy is back, all in flight at once. `now_ms` is the caller's
-    /// clock, to keep each hash until its furthest bucket has passed.
-    pub async fn count_parked(
+    /// Adds a pod's tally to the fleet-wide counts, all in flight at once:
+    /// `parked` to the tenants' parked hashes and `calls` to their stats
+    /// (a script call for every tenant of each kind on one Redis, one per
+    /// tenant on a cluster, where a call names one slot's keys), and keeps
+    /// the tenants listed as active (until their furthest parked copy is
+    /// back; for 10 minutes after their last call). `now_ms` is the
+    /// caller's clock, to keep each parked hash until its furthest bucket
+    /// has passed.
+    pub async fn count_activity(
         &self,
-        counts: &[ParkedCount],
+        parked: &[ParkedCount],
+        calls: &[CallCount],
         now_ms: i64,
     ) -> Result<(), QuotaError> {
-        if counts.is_empty() {
+        if parked.is_empty() && calls.is_empty() {
             return Ok(());
         }
-        let script = &self.parked;
-        let mut sorted: Vec<&ParkedCount> = counts.iter().collect();
+        let per_call = if self.redis.is_cluster() {
+            1
+        } else {
+            usize::MAX
+        };
+        let mut marks = Marks::new(&self.keys);
+
+        let mut parked_calls = Vec::new();
+        let mut sorted: Vec<&ParkedCount> = parked.iter().collect();
         sorted.sort_by_key(|c| c.tenant.as_str());
-        // One call per tenant (its slot), and the active-tenant index.
-        let mut groups = Vec::new();
-        let mut marks = redis::pipe();
-        for of_tenant in sorted.chunk_by(|a, b| a.tenant == b.tenant) {
-            let tenant = &of_tenant[0].tenant;
-            let furthest = of_tenant.iter().map(|c| c.bucket_ms).max().unwrap_or(0);
-            let keep = (furthest - now_ms).max(0) / 1_000 + PARKED_KEEP_S;
-            let mut invocation = script.key(self.keys.parked(tenant));
-            invocation.arg(keep);
-            for c in of_tenant {
+        let tenants: Vec<&[&ParkedCount]> = sorted.chunk_by(|a, b| a.tenant == b.tenant).collect();
+        for some in tenants.chunks(per_call) {
+            let mut invocation = self.parked.prepare_invoke();
+            for of_tenant in some {
+                let tenant = &of_tenant[0].tenant;
+                let furthest = of_tenant.iter().map(|c| c.bucket_ms).max().unwrap_or(0);
+                let keep = (furthest - now_ms).max(0) / 1_000 + PARKED_KEEP_S;
                 invocation
-                    .arg(format!("{}:{}", c.reason.as_str(), c.bucket_ms))
-                    .arg(c.copies);
+                    .key(self.keys.parked(tenant))
+                    .arg(keep)
+                    .arg(of_tenant.len());
+                for c in *of_tenant {
+                    invocation
+                        .arg(format!("{}:{}", c.reason.as_str(), c.bucket_ms))
+                        .arg(c.copies);
+                }
+                // Listed in the console while its copies are out, even
+                // before its first send.
+                marks.add(tenant, furthest.max(now_ms) / 1_000);
             }
-            let mut pipe = redis::pipe();
-            pipe.load_script(script).ignore();
-            pipe.invoke_script(&invocation).ignore();
-            groups.push(pipe);
-            // Listed in the console while its copies are out, even before
-            // its first send.
-            let until_s = furthest.max(now_ms) / 1_000;
-            marks
-                .cmd("ZADD")
-                .arg(self.keys.active_tenants())
-                .arg("GT")
-                .arg(until_s)
-                .arg(tenant.as_str())
-                .ignore();
+            parked_calls.push(invocation);
         }
-        groups.push(marks);
-        self.redis.query_groups(groups).await.map(drop)
+
+        let mut outcome_calls = Vec::new();
+        for some in calls.chunks(per_call) {
+            let mut invocation = self.outcomes.prepare_invoke();
+            for c in some {
+                invocation
+                    .key(self.keys.stats(&c.tenant))
+                    .arg(c.calls.sent)
+                    .arg(c.calls.throttled)
+                    .arg(c.calls.failed);
+                let lags = c.calls.lags.iter().enumerate().filter(|&(_, &n)| n > 0);
+                invocation.arg(lags.clone().count());
+                for (bin, n) in lags {
+                    invocation.arg(bin + 1).arg(*n);
+                }
+            }
+            outcome_calls.push((some, invocation));
+        }
+
+        // Each script by its hash (loaded only where a server lacks it),
+        // all in flight at once on the shared connection.
+        let conn = self.redis.conn().await?;
+        let classify = |e| self.redis.classify(e);
+        let parked_done = futures::future::try_join_all(parked_calls.iter().map(|invocation| {
+            let mut conn = conn.clone();
+            async move { invocation.invoke_async::<()>(&mut conn).await }
+        }));
+        let outcomes_done =
+            futures::future::try_join_all(outcome_calls.iter().map(|(some, invocation)| {
+                let mut conn = conn.clone();
+                async move {
+                    let began: Vec<usize> = invocation.invoke_async(&mut conn).await?;
+                    Ok::<_, redis::RedisError>((*some, began))
+                }
+            }));
+        let (parked_done, outcomes_done) = tokio::join!(parked_done, outcomes_done);
+        parked_done.map_err(classify)?;
+        // A tenant that began a stats bucket (once per 10 s while it
+        // sends) is listed as active; the index lives outside its slot.
+        let mut began_any = false;
+        for (some, began) in outcomes_done.map_err(classify)? {
+            for i in began {
+                if let Some(c) = i.checked_sub(1).and_then(|i| some.get(i)) {
+                    marks.add(&c.tenant, now_ms / 1_000);
+                    began_any = true;
+                }
+            }
+        }
+        if began_any {
+            marks.trim(now_ms / 1_000 - ACTIVE_FOR_S);
+        }
+        marks.write(&self.redis).await
     }
 
     /// [`Activity`] for each of `tenants`, in order, its calls all in flight
@@ -324,6 +434,52 @@ impl QuotaStore {
             });
         }
         Ok(out)
+    }
+}
+
+/// Tenants to list as active (`Keys::active_tenants`), in one pipeline.
+struct Marks<'a> {
+    keys: &'a crate::Keys,
+    pipe: redis::Pipeline,
+    any: bool,
+}
+
+impl<'a> Marks<'a> {
+    fn new(keys: &'a crate::Keys) -> Self {
+        Self {
+            keys,
+            pipe: redis::pipe(),
+            any: false,
+        }
+    }
+
+    /// Listed until `until_s`, unless it already is until later.
+    fn add(&mut self, tenant: &TenantId, until_s: i64) {
+        self.pipe
+            .cmd("ZADD")
+            .arg(self.keys.active_tenants())
+            .arg("GT")
+            .arg(until_s)
+            .arg(tenant.as_str())
+            .ignore();
+        self.any = true;
+    }
+
+    /// Drops the tenants listed until before `before_s`.
+    fn trim(&mut self, before_s: i64) {
+        self.pipe
+            .cmd("ZREMRANGEBYSCORE")
+            .arg(self.keys.active_tenants())
+            .arg("-inf")
+            .arg(before_s)
+            .ignore();
+    }
+
+    async fn write(self, redis: &crate::Redis) -> Result<(), QuotaError> {
+        if !self.any {
+            return Ok(());
+        }
+        redis.query_groups(vec![self.pipe]).await.map(drop)
     }
 }
 

@@ -106,7 +106,8 @@ impl Keys {
     }
 
     /// What the tenant's sends came to, fleet-wide, in 10 s buckets over
-    /// the last 5 minutes (`complete.lua`), for the console.
+    /// the last 5 minutes (`outcomes.lua`, from the pods' tallies), for the
+    /// console.
     pub fn stats(&self, tenant: &TenantId) -> String {
         self.tenant_key("stats", tenant)
     }
@@ -212,10 +213,10 @@ impl Keys {
         format!("{}:adapt-default", self.installation)
     }
 
-    /// Sorted set: tenant -> when its current 10 s stats bucket began
-    /// (seconds, `complete.lua`), or when its furthest parked copy is back
-    /// if later (`QuotaStore::count_parked`): the console lists the tenants
-    /// active in the last 10 minutes beside those with settings.
+    /// Sorted set: tenant -> when a pod last counted a call of it
+    /// (seconds), or when its furthest parked copy is back if later
+    /// (`QuotaStore::count_activity`): the console lists the tenants active
+    /// in the last 10 minutes beside those with settings.
     pub fn active_tenants(&self) -> String {
         format!("{}:active-tenants", self.installation)
     }

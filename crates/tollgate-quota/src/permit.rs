@@ -31,7 +31,7 @@ use tollgate_core::ports::{
 use tollgate_core::{Kind, PermitDecision, Priority, Quota, Shadow, TenantId, UnixMillis};
 
 use crate::clock_offset::ClockOffset;
-use crate::store::{ACTIVE_FOR_S, AuditFields, audit_entry};
+use crate::store::{AuditFields, audit_entry};
 use crate::{Keys, QuotaError, Redis, Target};
 
 /// The permit and completion scripts, called in batches through
@@ -450,8 +450,6 @@ const DEFAULT_COPY_FOR: Duration = Duration::from_secs(1);
 /// slot (see [`RedisPermits::record_afterwards`]).
 #[derive(Clone, Copy, Debug)]
 struct Afterwards {
-    /// The stats bucket the completion began (seconds), else 0.
-    bucket_began_s: i64,
     /// An adaptive quota's adjustment to audit: (old, new) in thousandths
     /// per second, negative when none.
     tenant_audit: (i64, i64),
@@ -1136,7 +1134,6 @@ impl RedisPermits {
         req: PermitRequest<'_>,
         used: PermitUse,
         penalty: Option<Penalty>,
-        due_lag: Option<Duration>,
         now_micros: Option<u64>,
     ) -> Result<Learned, QuotaError> {
         // The route's side is a call of its own when its keys live in
@@ -1160,7 +1157,6 @@ impl RedisPermits {
             k.adapt(req.tenant),
             route(k.route_quota(req.route)),
             route(k.route_adapt(req.route)),
-            k.stats(req.tenant),
         ];
         let args = vec![
             req.lease_token.to_owned(),
@@ -1175,9 +1171,6 @@ impl RedisPermits {
             penalty.map(|p| micros(p.wait)).unwrap_or(0).to_string(),
             now_micros.map(|n| n.to_string()).unwrap_or_default(),
             scope.to_owned(),
-            due_lag
-                .map(|lag| lag.as_millis().to_string())
-                .unwrap_or_default(),
         ];
         let reply = self.calls.call(Group::Complete, keys, args, false).await?;
         let value = |i: usize| {
@@ -1191,10 +1184,9 @@ impl RedisPermits {
             route: learned_rate(value(2)?),
         };
         let mut afterwards = Afterwards {
-            bucket_began_s: value(3)?,
-            tenant_audit: (value(4)?, value(5)?),
-            route_audit: (value(6)?, value(7)?),
-            at_ms: value(8)?,
+            tenant_audit: (value(3)?, value(4)?),
+            route_audit: (value(5)?, value(6)?),
+            at_ms: value(7)?,
         };
         if elsewhere {
             match self
@@ -1282,30 +1274,15 @@ impl RedisPermits {
         )))
     }
 
-    /// What a completion leaves to write outside the tenant's slot: the
-    /// tenant marked active when it began a stats bucket, and an adaptive
-    /// quota's adjustment in the audit stream. Written after the
+    /// What a completion leaves to write outside the tenant's slot: an
+    /// adaptive quota's adjustment in the audit stream. Written after the
     /// completion, in one round trip, only when there is something to write
-    /// (at most once per 10 s per tenant and per adaptive quota). A failure
-    /// is logged and not returned: the completion itself is written, and
-    /// running it again would count the outcome twice.
+    /// (at most once per 10 s per adaptive quota). A failure is logged and
+    /// not returned: the completion itself is written, and running it again
+    /// would learn from the outcome twice.
     async fn record_afterwards(&self, req: &PermitRequest<'_>, after: Afterwards) {
         let mut pipe = redis::pipe();
         let mut any = false;
-        if after.bucket_began_s > 0 {
-            pipe.cmd("ZADD")
-                .arg(self.keys.active_tenants())
-                .arg("GT")
-                .arg(after.bucket_began_s)
-                .arg(req.tenant.as_str())
-                .ignore();
-            pipe.cmd("ZREMRANGEBYSCORE")
-                .arg(self.keys.active_tenants())
-                .arg("-inf")
-                .arg(after.bucket_began_s - ACTIVE_FOR_S)
-                .ignore();
-            any = true;
-        }
         let effective = |milli: i64| {
             serde_json::json!({ "effective": format!("{:.3}", milli as f64 / 1000.0) }).to_string()
         };
@@ -1342,7 +1319,7 @@ impl RedisPermits {
             Err(e) => Err(e),
         };
         if let Err(e) = written {
-            tracing::warn!(tenant = req.tenant.as_str(), error = %e, "could not mark the tenant active or audit an adaptive adjustment");
+            tracing::warn!(tenant = req.tenant.as_str(), error = %e, "could not audit an adaptive adjustment");
         }
     }
 
@@ -1476,9 +1453,8 @@ impl PermitStore for RedisPermits {
         req: PermitRequest<'_>,
         used: PermitUse,
         penalty: Option<Penalty>,
-        due_lag: Option<Duration>,
     ) -> Result<Learned, QuotaError> {
-        self.record(req, used, penalty, due_lag, None).await
+        self.record(req, used, penalty, None).await
     }
 }
 

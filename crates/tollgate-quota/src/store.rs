@@ -327,7 +327,7 @@ pub struct AuditEntry {
     pub detail: Option<String>,
 }
 
-/// How long a tenant stays listed after its last outcome (`complete.lua`'s
+/// How long a tenant stays listed after its last call (`outcomes.lua`'s
 /// `STATS_TTL_S`).
 pub(crate) const ACTIVE_FOR_S: i64 = 600;
 
@@ -336,6 +336,7 @@ pub struct QuotaStore {
     pub(crate) keys: Keys,
     change: Script,
     pub(crate) parked: Script,
+    pub(crate) outcomes: Script,
 }
 
 impl QuotaStore {
@@ -345,6 +346,7 @@ impl QuotaStore {
             keys,
             change: Script::new(CHANGE_LUA),
             parked: Script::new(crate::activity::PARKED_LUA),
+            outcomes: Script::new(crate::activity::OUTCOMES_LUA),
         }
     }
 

@@ -42,9 +42,9 @@ use crate::health::Dependency;
 use crate::holds::HoldGate;
 use crate::lookahead::{Lookahead, Step, Via};
 use crate::metrics::{Metrics, UNKNOWN_TENANT};
-use crate::parked::{FLUSH_EVERY, ParkTally};
 use crate::settings::WorkerSettings;
 use crate::system_clock::SystemClock;
+use crate::tally::{FLUSH_EVERY, Tally};
 use crate::throttles::LocalThrottles;
 
 /// How one delivery was settled.
@@ -100,8 +100,9 @@ pub struct Worker<P, V> {
     quotas: QuotaStore,
     /// Re-seeds the quota baseline into Redis when quotas go missing.
     seeder: std::sync::Mutex<Option<Seeder>>,
-    /// Parks not yet counted in Redis (the console's parked figures).
-    parked: ParkTally,
+    /// Parks and provider calls not yet counted in Redis (the console's
+    /// figures).
+    tally: Tally,
     /// Numbers the sessions, so a delivery settled after its session was
     /// lost is not counted against the next one's consumers.
     sessions: AtomicU64,
@@ -205,7 +206,7 @@ impl LiveWorker {
             holds: HoldGate::new(s.tenant_hold_max),
             throttles: LocalThrottles::default(),
             seeder: std::sync::Mutex::new(seeder),
-            parked: ParkTally::default(),
+            tally: Tally::default(),
             sessions: AtomicU64::new(0),
             quotas: store(),
             ceiling: s.pod_max_rate.map(|rate| {
@@ -403,7 +404,7 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
         let seeder = self.seeder.lock().expect("not poisoned").take();
         let seeding = seeder.map(|seeder| tokio::spawn(seeder.run(self.stopping.subscribe())));
         let watching = tokio::spawn(Arc::clone(&self).watch_redis());
-        let counting = tokio::spawn(Arc::clone(&self).count_parked());
+        let counting = tokio::spawn(Arc::clone(&self).count_activity());
         let last = loop {
             match self.session(&mut tasks, &mut shutdown).await {
                 Ok(SessionEnd::Shutdown(control, broker)) => break Some((control, broker)),
@@ -451,10 +452,10 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
         }
         let left = tasks.len();
         tasks.abort_all();
-        // The parks of the drain too, if Redis answers at once: a console
-        // figure never holds up a shutdown.
+        // The parks and calls of the drain too, if Redis answers at once: a
+        // console figure never holds up a shutdown.
         let _ = counting.await;
-        let _ = tokio::time::timeout(Duration::from_secs(1), self.flush_parked()).await;
+        let _ = tokio::time::timeout(Duration::from_secs(1), self.flush_tally()).await;
         if let Some((control, broker)) = last {
             control.close().await;
             broker.close().await;
@@ -482,29 +483,33 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
         }
     }
 
-    /// Adds this pod's parks to the fleet-wide counts every
-    /// [`FLUSH_EVERY`] until the worker stops.
-    async fn count_parked(self: Arc<Self>) {
+    /// Adds this pod's tally of parks and calls to the fleet-wide counts
+    /// every [`FLUSH_EVERY`] until the worker stops.
+    async fn count_activity(self: Arc<Self>) {
         let mut stopping = self.stopping.subscribe();
         loop {
             tokio::select! {
                 () = tokio::time::sleep(FLUSH_EVERY) => {}
                 _ = stopping.wait_for(|&s| s) => return,
             }
-            self.flush_parked().await;
+            self.flush_tally().await;
         }
     }
 
-    async fn flush_parked(&self) {
+    async fn flush_tally(&self) {
         let now = self.clock.now();
-        let counts = self.parked.take(now);
-        if counts.is_empty() {
+        let taken = self.tally.take(now);
+        if taken.is_empty() {
             return;
         }
-        if let Err(e) = self.quotas.count_parked(&counts, now.0).await {
-            // A console figure: kept for the next try, never in a job's way.
-            debug!(error = %e, "counting parked jobs in Redis");
-            self.parked.restore(counts);
+        if let Err(e) = self
+            .quotas
+            .count_activity(&taken.parked, &taken.calls, now.0)
+            .await
+        {
+            // Console figures: kept for the next try, never in a job's way.
+            debug!(error = %e, "counting parked jobs and provider calls in Redis");
+            self.tally.restore(taken);
         }
     }
 
@@ -925,8 +930,8 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
                     })
                     .await?;
                     self.metrics.tier_publish(tier);
-                    self.parked
-                        .add(&job.tenant, reason, now.saturating_add(stay), tier);
+                    self.tally
+                        .park(&job.tenant, reason, now.saturating_add(stay), tier);
                     if hop {
                         debug!(
                             reason = reason.as_str(),
@@ -989,8 +994,7 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
                             .paused_until(scope, &job.tenant, &job.kind, now)
                     {
                         // Reserved before a 429 this pod saw: hold it back.
-                        self.complete_permit(request, PermitUse::Unused, None, None)
-                            .await;
+                        self.complete_permit(request, PermitUse::Unused, None).await;
                         action = run.hold_back(&self.policy, until, now);
                         continue;
                     }
@@ -1011,8 +1015,7 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
                         // call slot.
                         self.metrics.late_permit(tenant);
                         debug!("permit too late to use: asking again");
-                        self.complete_permit(request, PermitUse::Unused, None, None)
-                            .await;
+                        self.complete_permit(request, PermitUse::Unused, None).await;
                         kept_call = Some(call);
                         action = again;
                         continue;
@@ -1020,8 +1023,7 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
                     if !commitment.begin(&self.commits).await {
                         // Shutting down: too late in the grace period to
                         // begin a call. Release the permit, hand it back.
-                        self.complete_permit(request, PermitUse::Unused, None, None)
-                            .await;
+                        self.complete_permit(request, PermitUse::Unused, None).await;
                         return Err(Handback::Closing);
                     }
                     let attempt = run.attempt();
@@ -1058,7 +1060,8 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
                     } else {
                         PermitUse::CallFailed
                     };
-                    self.complete_permit(request, used, penalty, due_lag).await;
+                    self.tally.call(&job.tenant, &outcome, due_lag);
+                    self.complete_permit(request, used, penalty).await;
                     if !sent {
                         info!(decision = outcome.as_str(), response = ?response, "provider did not accept");
                     }
@@ -1100,12 +1103,11 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
         request: PermitRequest<'_>,
         used: PermitUse,
         penalty: Option<Penalty>,
-        due_lag: Option<Duration>,
     ) {
         let started = Instant::now();
         let mut failures = 0u32;
         loop {
-            let error = match self.permits.complete(request, used, penalty, due_lag).await {
+            let error = match self.permits.complete(request, used, penalty).await {
                 Ok(learned) => {
                     self.redis_health.up();
                     if learned != Learned::default() {

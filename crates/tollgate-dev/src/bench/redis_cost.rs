@@ -12,8 +12,11 @@ use std::time::Duration;
 use anyhow::Context;
 use serde_json::json;
 use tollgate_core::ports::{PermitRequest, PermitStore, PermitUse};
-use tollgate_core::{IdempotencyKey, JobId, Kind, Priority, Quota, TenantId};
-use tollgate_quota::{Script, redis_cmd};
+use tollgate_core::{
+    Clock, IdempotencyKey, JobId, Kind, Priority, ProviderOutcome, Quota, TenantId,
+};
+use tollgate_quota::{CallCount, Calls, Script, redis_cmd};
+use tollgate_runtime::system_clock::SystemClock;
 
 use super::permits::unlimited_tenant;
 use super::{Figure, Scenario, progress};
@@ -22,6 +25,9 @@ use tollgate::config::Config;
 
 /// Calls counted per figure (after as many to warm up).
 const CALLS: u64 = 500;
+
+/// Tenants in the larger of the two tallies measured.
+const TALLY_TENANTS: usize = 100;
 
 /// `None` when valgrind is not installed (the scenario is skipped).
 pub async fn run(base: &Config) -> anyhow::Result<Option<Scenario>> {
@@ -33,7 +39,7 @@ pub async fn run(base: &Config) -> anyhow::Result<Option<Scenario>> {
     let server = Callgrind::start()?;
     let measured = measure(base, &server).await;
     drop(server);
-    let [permit, denied, complete, get, trivial] = measured?;
+    let [permit, denied, complete, added, added_many, get, trivial] = measured?;
     Ok(Some(Scenario {
         key: "redis_cost",
         title: "What a job costs Redis, in instructions",
@@ -43,11 +49,22 @@ pub async fn run(base: &Config) -> anyhow::Result<Option<Scenario>> {
             "permit": "a fresh job of a tenant with a quota of 1,000,000/s, granted; no route quota",
             "denied": "a fresh job of a tenant with a quota of 1/s and a backlog: given a place in line",
             "completion": "that job sent",
+            "tally": "a pod's tally of each tenant's calls (one send, its due lag) added to its stats, twice a second whatever the number of calls: for one tenant, and per tenant for 100",
         }),
         figures: vec![
             Figure::new("permit decision", "instructions", vec![permit]),
             Figure::new("permit decision, denied", "instructions", vec![denied]),
             Figure::new("completion of a sent job", "instructions", vec![complete]),
+            Figure::new(
+                "a pod's tally of one tenant's calls, added",
+                "instructions",
+                vec![added],
+            ),
+            Figure::new(
+                "the same for 100 tenants, per tenant",
+                "instructions",
+                vec![added_many],
+            ),
             Figure::new("GET (for scale)", "instructions", vec![get]),
             Figure::new(
                 "EVALSHA of `return 1` (for scale)",
@@ -58,7 +75,7 @@ pub async fn run(base: &Config) -> anyhow::Result<Option<Scenario>> {
     }))
 }
 
-async fn measure(base: &Config, server: &Callgrind) -> anyhow::Result<[f64; 5]> {
+async fn measure(base: &Config, server: &Callgrind) -> anyhow::Result<[f64; 7]> {
     let config = Config {
         redis_url: tollgate_core::SecretUrl::new(format!("redis://127.0.0.1:{}", server.port)),
         ..base.clone()
@@ -97,16 +114,12 @@ async fn measure(base: &Config, server: &Callgrind) -> anyhow::Result<[f64; 5]> 
         })
         .await?;
     for i in warm.clone() {
-        permits
-            .complete(request(i), PermitUse::Sent, None, None)
-            .await?;
+        permits.complete(request(i), PermitUse::Sent, None).await?;
     }
     let complete = server
         .count(async {
             for i in counted.clone() {
-                permits
-                    .complete(request(i), PermitUse::Sent, None, None)
-                    .await?;
+                permits.complete(request(i), PermitUse::Sent, None).await?;
             }
             anyhow::Ok(())
         })
@@ -125,6 +138,33 @@ async fn measure(base: &Config, server: &Callgrind) -> anyhow::Result<[f64; 5]> 
             anyhow::Ok(())
         })
         .await?;
+
+    // A pod adds its tally of each tenant's calls twice a second, whatever
+    // their number: its cost is per tenant and flush, not per job.
+    let mut calls = Calls::default();
+    calls.count(&ProviderOutcome::Sent, Some(Duration::from_millis(20)));
+    let now_ms = || SystemClock.now().0;
+    let mut added = [0.0; 2];
+    for (figure, tenants) in added.iter_mut().zip([1, TALLY_TENANTS]) {
+        let tally = (0..tenants)
+            .map(|i| {
+                Ok(CallCount {
+                    tenant: TenantId::parse(format!("tallied-{i}"))?,
+                    calls: calls.clone(),
+                })
+            })
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        store.count_activity(&[], &tally, now_ms()).await?;
+        let per_call = server
+            .count(async {
+                for _ in counted.clone() {
+                    store.count_activity(&[], &tally, now_ms()).await?;
+                }
+                anyhow::Ok(())
+            })
+            .await?;
+        *figure = per_call / tenants as f64;
+    }
 
     let mut conn = redis.conn().await?;
     let get = server
@@ -149,7 +189,7 @@ async fn measure(base: &Config, server: &Callgrind) -> anyhow::Result<[f64; 5]> 
         })
         .await?;
     store.purge_prefix().await?;
-    Ok([permit, denied, complete, get, trivial])
+    Ok([permit, denied, complete, added[0], added[1], get, trivial])
 }
 
 /// A `redis-server` under callgrind on a free port, stopped when dropped.

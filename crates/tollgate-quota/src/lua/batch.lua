@@ -3,7 +3,7 @@
 --
 -- ARGV[1] names each group's kind, one letter per group in order:
 --   'p'  a permit decision (`permit.lua`): 21 keys, 20 arguments
---   'c'  a completion (`complete.lua`): 10 keys, 8 arguments
+--   'c'  a completion (`complete.lua`): 9 keys, 7 arguments
 --   'r'  a reservation on a route's slot (`route.lua`): 8 keys, 8 arguments
 --   'g'  a route's send time given back (`route.lua`): 3 keys, 3 arguments
 --   'R'  a route's side of a completion (`route.lua`): 3 keys, 3 arguments
@@ -13,7 +13,7 @@
 
 local groups = {
   p = {permit, 21, 20},
-  c = {complete, 10, 8},
+  c = {complete, 9, 7},
   r = {route_reserve, 8, 8},
   g = {route_give_back, 3, 3},
   R = {route_complete, 3, 3},
