@@ -631,3 +631,40 @@ async fn parked_jobs_are_counted_by_why_they_wait_until_they_go() {
     worker.stop().await.unwrap();
     env.cleanup().await;
 }
+
+/// The console's counts of a tenant's calls come from each pod's tally,
+/// added twice a second: a pod that stops adds what it counted since its
+/// last addition on its way out, so a stop loses none of them. Each call
+/// is counted once: 429s, failures and sends apart, and the due lags of
+/// first attempts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopping_worker_adds_the_calls_it_counted_last() {
+    use tollgate_tests::Reply;
+
+    // The first request of all is answered 429, the rest accepted.
+    let first = std::sync::atomic::AtomicBool::new(true);
+    let provider = FakeProvider::start(std::sync::Arc::new(move |_, _| {
+        if first.swap(false, std::sync::atomic::Ordering::SeqCst) {
+            Reply::throttled("1")
+        } else {
+            Reply::ok()
+        }
+    }))
+    .await
+    .unwrap();
+    let env = TestEnv::new(&provider.url()).await;
+    let worker = env.spawn_worker().await;
+    env.publish("brief", 6, |_| {}).await;
+    wait_for("all 6 jobs sent", Duration::from_secs(20), || async {
+        provider.accepted() == 6
+    })
+    .await;
+    worker.stop().await.unwrap();
+
+    let counted = env.activity("brief").await;
+    assert_eq!((counted.sent_per_s_5m * 300.0).round(), 6.0, "{counted:?}");
+    assert_eq!(counted.throttled_5m, 1, "{counted:?}");
+    assert_eq!(counted.failed_5m, 0, "{counted:?}");
+    assert!(counted.due_lag_p95_s.is_some(), "{counted:?}");
+    env.cleanup().await;
+}
