@@ -299,6 +299,12 @@ impl TestEnv {
     /// Waits until every queue of this test is empty, stops `workers`, then
     /// cleans up: the end of a run whose every job must have gone.
     pub async fn stop_when_drained(self, workers: impl IntoIterator<Item = WorkerHandle>) {
+        self.drain_and_stop(workers).await;
+        self.cleanup().await;
+    }
+
+    /// Waits until every queue of this test is empty, then stops `workers`.
+    pub async fn drain_and_stop(&self, workers: impl IntoIterator<Item = WorkerHandle>) {
         wait_for("queues to drain", Duration::from_secs(20), || async {
             self.pending().await == 0
         })
@@ -306,7 +312,6 @@ impl TestEnv {
         for w in workers {
             w.stop().await.unwrap();
         }
-        self.cleanup().await;
     }
 
     /// Deletes this test's queues, exchanges and Redis keys.
