@@ -1095,6 +1095,77 @@ fn the_pods_tallies_add_up_in_the_tenants_figures() {
     });
 }
 
+/// A tally that Redis takes in part: the counts a failed call did not
+/// add come back to be added later, those that were added are never added
+/// twice, and a listing that fails is no failure of the counts.
+#[test]
+fn a_tally_taken_in_part_is_added_once() {
+    runtime().block_on(async {
+        let config = tollgate::Config::load(None).expect("TOLLGATE_* environment is valid");
+        let redis = Arc::new(Redis::new(&config.redis_settings()).unwrap());
+        let (_, quotas) = stores(Quota::new("10/s".parse().unwrap(), 1).unwrap());
+        let keys = quotas.keys().clone();
+        let tenant = TenantId::parse("partly").unwrap();
+        let mut conn = redis.conn().await.unwrap();
+        let set = |key: String| {
+            let mut cmd = tollgate_quota::redis_cmd("SET");
+            cmd.arg(key).arg("not a hash or a sorted set");
+            cmd
+        };
+        // Its parked hash and the active-tenant index hold the wrong type:
+        // those writes fail, the stats ring's does not.
+        let _: () = set(keys.parked(&tenant))
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        let _: () = set(keys.active_tenants())
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+
+        let now_ms = SystemClock.now().0;
+        let parked = vec![ParkedCount {
+            tenant: tenant.clone(),
+            reason: ParkReason::Quota,
+            bucket_ms: now_ms + 60_000,
+            copies: 2,
+        }];
+        let mut sent = Calls::default();
+        sent.count(&ProviderOutcome::Sent, None);
+        let calls = vec![CallCount {
+            tenant: tenant.clone(),
+            calls: sent,
+        }];
+        let not = quotas
+            .count_activity(&parked, &calls, now_ms)
+            .await
+            .expect_err("the parked hash is a string");
+        assert_eq!(not.parked, parked, "{not}");
+        assert!(not.calls.is_empty(), "the calls were added: {not}");
+
+        // Once the keys are right, what came back is added; the calls are
+        // not added again.
+        let _: () = tollgate_quota::redis_cmd("DEL")
+            .arg(keys.parked(&tenant))
+            .arg(keys.active_tenants())
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        quotas
+            .count_activity(&not.parked, &not.calls, now_ms)
+            .await
+            .unwrap();
+        let counted = quotas
+            .activity(std::slice::from_ref(&tenant))
+            .await
+            .unwrap()
+            .remove(0);
+        assert_eq!((counted.sent_per_s_5m * 300.0).round(), 1.0, "{counted:?}");
+        assert_eq!(counted.parked, [(ParkReason::Quota, 2)], "{counted:?}");
+        quotas.purge_prefix().await.unwrap();
+    });
+}
+
 /// A tenant paced by its own quota (10/s, a backlog) reserves each of its
 /// sends ahead; on a route far from full (1000/s) those reservations never
 /// hold another tenant's sends back: each of the quiet tenant's jobs goes

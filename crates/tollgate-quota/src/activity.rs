@@ -234,6 +234,16 @@ pub struct CallCount {
     pub calls: Calls,
 }
 
+/// What [`QuotaStore::count_activity`] could not add, and why.
+#[derive(Debug, thiserror::Error)]
+#[error("{error} ({} parked counts and {} tenants' calls not added)", .parked.len(), .calls.len())]
+pub struct NotCounted {
+    pub parked: Vec<ParkedCount>,
+    pub calls: Vec<CallCount>,
+    #[source]
+    pub error: QuotaError,
+}
+
 /// How long a tenant's parked hash outlives its furthest bucket.
 const PARKED_KEEP_S: i64 = 60;
 
@@ -267,13 +277,15 @@ impl QuotaStore {
     /// the tenants listed as active (until their furthest parked copy is
     /// back; for 10 minutes after their last call). `now_ms` is the
     /// caller's clock, to keep each parked hash until its furthest bucket
-    /// has passed.
+    /// has passed. What a failed call did not add comes back in the error,
+    /// to add later; what was added is never added again (a failed listing
+    /// is only logged: it is renewed with the next counts).
     pub async fn count_activity(
         &self,
         parked: &[ParkedCount],
         calls: &[CallCount],
         now_ms: i64,
-    ) -> Result<(), QuotaError> {
+    ) -> Result<(), NotCounted> {
         if parked.is_empty() && calls.is_empty() {
             return Ok(());
         }
@@ -307,7 +319,7 @@ impl QuotaStore {
                 // before its first send.
                 marks.add(tenant, furthest.max(now_ms) / 1_000);
             }
-            parked_calls.push(invocation);
+            parked_calls.push((some, invocation));
         }
 
         let mut outcome_calls = Vec::new();
@@ -330,37 +342,70 @@ impl QuotaStore {
 
         // Each script by its hash (loaded only where a server lacks it),
         // all in flight at once on the shared connection.
-        let conn = self.redis.conn().await?;
-        let classify = |e| self.redis.classify(e);
-        let parked_done = futures::future::try_join_all(parked_calls.iter().map(|invocation| {
+        let conn = match self.redis.conn().await {
+            Ok(conn) => conn,
+            Err(error) => {
+                return Err(NotCounted {
+                    parked: parked.to_vec(),
+                    calls: calls.to_vec(),
+                    error,
+                });
+            }
+        };
+        let parked_done = futures::future::join_all(parked_calls.iter().map(|(_, invocation)| {
             let mut conn = conn.clone();
             async move { invocation.invoke_async::<()>(&mut conn).await }
         }));
         let outcomes_done =
-            futures::future::try_join_all(outcome_calls.iter().map(|(some, invocation)| {
+            futures::future::join_all(outcome_calls.iter().map(|(_, invocation)| {
                 let mut conn = conn.clone();
-                async move {
-                    let began: Vec<usize> = invocation.invoke_async(&mut conn).await?;
-                    Ok::<_, redis::RedisError>((*some, began))
-                }
+                async move { invocation.invoke_async::<Vec<usize>>(&mut conn).await }
             }));
         let (parked_done, outcomes_done) = tokio::join!(parked_done, outcomes_done);
-        parked_done.map_err(classify)?;
+
+        let mut not = NotCounted {
+            parked: Vec::new(),
+            calls: Vec::new(),
+            error: QuotaError::Unavailable(String::new()),
+        };
+        let mut failed = None;
+        for ((tenants, _), done) in parked_calls.iter().zip(parked_done) {
+            if let Err(e) = done {
+                not.parked
+                    .extend(tenants.iter().flat_map(|t| t.iter().map(|&c| c.clone())));
+                failed = Some(e);
+            }
+        }
         // A tenant that began a stats bucket (once per 10 s while it
         // sends) is listed as active; the index lives outside its slot.
         let mut began_any = false;
-        for (some, began) in outcomes_done.map_err(classify)? {
-            for i in began {
-                if let Some(c) = i.checked_sub(1).and_then(|i| some.get(i)) {
-                    marks.add(&c.tenant, now_ms / 1_000);
-                    began_any = true;
+        for ((some, _), done) in outcome_calls.iter().zip(outcomes_done) {
+            match done {
+                Ok(began) => {
+                    for c in began.iter().filter_map(|i| some.get(i.checked_sub(1)?)) {
+                        marks.add(&c.tenant, now_ms / 1_000);
+                        began_any = true;
+                    }
+                }
+                Err(e) => {
+                    not.calls.extend_from_slice(some);
+                    failed = Some(e);
                 }
             }
         }
         if began_any {
             marks.trim(now_ms / 1_000 - ACTIVE_FOR_S);
         }
-        marks.write(&self.redis).await
+        if let Err(e) = marks.write(&self.redis).await {
+            tracing::debug!(error = %e, "listing tenants as active");
+        }
+        match failed {
+            None => Ok(()),
+            Some(e) => Err(NotCounted {
+                error: self.redis.classify(e),
+                ..not
+            }),
+        }
     }
 
     /// [`Activity`] for each of `tenants`, in order, its calls all in flight

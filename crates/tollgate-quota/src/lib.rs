@@ -25,7 +25,7 @@ mod keys;
 mod permit;
 mod store;
 
-pub use activity::{Activity, CallCount, Calls, ParkedCount, parked_bucket};
+pub use activity::{Activity, CallCount, Calls, NotCounted, ParkedCount, parked_bucket};
 pub use conn::{Conn, Redis, RedisSettings};
 pub use keys::Keys;
 pub use permit::{PermitSettings, RedisPermits, Reply, SharePlaces};

@@ -44,7 +44,7 @@ use crate::lookahead::{Lookahead, Step, Via};
 use crate::metrics::{Metrics, UNKNOWN_TENANT};
 use crate::settings::WorkerSettings;
 use crate::system_clock::SystemClock;
-use crate::tally::{FLUSH_EVERY, Tally};
+use crate::tally::{FLUSH_EVERY, Taken, Tally};
 use crate::throttles::LocalThrottles;
 
 /// How one delivery was settled.
@@ -502,14 +502,18 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
         if taken.is_empty() {
             return;
         }
-        if let Err(e) = self
+        if let Err(not) = self
             .quotas
             .count_activity(&taken.parked, &taken.calls, now.0)
             .await
         {
-            // Console figures: kept for the next try, never in a job's way.
-            debug!(error = %e, "counting parked jobs and provider calls in Redis");
-            self.tally.restore(taken);
+            // Console figures: what was not added is kept for the next
+            // try, never in a job's way.
+            debug!(error = %not.error, "counting parked jobs and provider calls in Redis");
+            self.tally.restore(Taken {
+                parked: not.parked,
+                calls: not.calls,
+            });
         }
     }
 
