@@ -1095,6 +1095,48 @@ fn the_pods_tallies_add_up_in_the_tenants_figures() {
     });
 }
 
+/// A tally of more tenants than one call adds to goes in several calls,
+/// each tenant's counts in its own ring and every tenant listed.
+#[test]
+fn a_tally_of_many_tenants_reaches_each() {
+    runtime().block_on(async {
+        let (_, quotas) = stores(Quota::new("10/s".parse().unwrap(), 1).unwrap());
+        let n = tollgate_quota::TENANTS_PER_CALL + 6;
+        let tenants: Vec<TenantId> = (0..n)
+            .map(|i| TenantId::parse(format!("many-{i:03}")).unwrap())
+            .collect();
+        let calls: Vec<CallCount> = tenants
+            .iter()
+            .enumerate()
+            .map(|(i, tenant)| {
+                let mut calls = Calls::default();
+                for _ in 0..=i % 3 {
+                    calls.count(&ProviderOutcome::Sent, None);
+                }
+                CallCount {
+                    tenant: tenant.clone(),
+                    calls,
+                }
+            })
+            .collect();
+        quotas
+            .count_activity(&[], &calls, SystemClock.now().0)
+            .await
+            .unwrap();
+        let counted = quotas.activity(&tenants).await.unwrap();
+        for (i, (tenant, a)) in tenants.iter().zip(&counted).enumerate() {
+            let expected = (i % 3 + 1) as f64;
+            assert_eq!(
+                (a.sent_per_s_5m * 300.0).round(),
+                expected,
+                "{tenant}: {a:?}"
+            );
+        }
+        assert_eq!(quotas.tenant_names("many-").await.unwrap(), tenants);
+        quotas.purge_prefix().await.unwrap();
+    });
+}
+
 /// A tally that Redis takes in part: the counts a failed call did not
 /// add come back to be added later, those that were added are never added
 /// twice, and a listing that fails is no failure of the counts.

@@ -25,7 +25,9 @@ mod keys;
 mod permit;
 mod store;
 
-pub use activity::{Activity, CallCount, Calls, NotCounted, ParkedCount, parked_bucket};
+pub use activity::{
+    Activity, CallCount, Calls, NotCounted, ParkedCount, TENANTS_PER_CALL, parked_bucket,
+};
 pub use conn::{Conn, Redis, RedisSettings};
 pub use keys::Keys;
 pub use permit::{PermitSettings, RedisPermits, Reply, SharePlaces};
