@@ -1182,8 +1182,8 @@ fn a_tally_taken_in_part_is_added_once() {
             .count_activity(&parked, &calls, now_ms)
             .await
             .expect_err("the parked hash is a string");
-        assert_eq!(not.parked, parked, "{not}");
-        assert!(not.calls.is_empty(), "the calls were added: {not}");
+        assert_eq!(not.untaken.parked, parked, "{not}");
+        assert!(not.untaken.calls.is_empty(), "the calls were added: {not}");
 
         // Once the keys are right, what came back is added; the calls are
         // not added again.
@@ -1194,7 +1194,7 @@ fn a_tally_taken_in_part_is_added_once() {
             .await
             .unwrap();
         quotas
-            .count_activity(&not.parked, &not.calls, now_ms)
+            .count_activity(&not.untaken.parked, &not.untaken.calls, now_ms)
             .await
             .unwrap();
         let counted = quotas

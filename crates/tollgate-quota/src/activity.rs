@@ -240,12 +240,25 @@ pub struct CallCount {
 /// permit decisions.
 pub const TENANTS_PER_CALL: usize = 64;
 
-/// What [`QuotaStore::count_activity`] could not add, and why.
-#[derive(Debug, thiserror::Error)]
-#[error("{error} ({} parked counts and {} tenants' calls not added)", .parked.len(), .calls.len())]
-pub struct NotCounted {
+/// A pod's tally of parks and calls, as [`QuotaStore::count_activity`]
+/// adds it to Redis.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Tallied {
     pub parked: Vec<ParkedCount>,
     pub calls: Vec<CallCount>,
+}
+
+impl Tallied {
+    pub fn is_empty(&self) -> bool {
+        self.parked.is_empty() && self.calls.is_empty()
+    }
+}
+
+/// What [`QuotaStore::count_activity`] could not add, and why.
+#[derive(Debug, thiserror::Error)]
+#[error("{error} ({} parked counts and {} tenants' calls not added)", .untaken.parked.len(), .untaken.calls.len())]
+pub struct NotCounted {
+    pub untaken: Tallied,
     #[source]
     pub error: QuotaError,
 }
@@ -353,8 +366,10 @@ impl QuotaStore {
             Ok(conn) => conn,
             Err(error) => {
                 return Err(NotCounted {
-                    parked: parked.to_vec(),
-                    calls: calls.to_vec(),
+                    untaken: Tallied {
+                        parked: parked.to_vec(),
+                        calls: calls.to_vec(),
+                    },
                     error,
                 });
             }
@@ -370,15 +385,12 @@ impl QuotaStore {
             }));
         let (parked_done, outcomes_done) = tokio::join!(parked_done, outcomes_done);
 
-        let mut not = NotCounted {
-            parked: Vec::new(),
-            calls: Vec::new(),
-            error: QuotaError::Unavailable(String::new()),
-        };
+        let mut untaken = Tallied::default();
         let mut failed = None;
         for ((tenants, _), done) in parked_calls.iter().zip(parked_done) {
             if let Err(e) = done {
-                not.parked
+                untaken
+                    .parked
                     .extend(tenants.iter().flat_map(|t| t.iter().map(|&c| c.clone())));
                 failed = Some(e);
             }
@@ -395,7 +407,7 @@ impl QuotaStore {
                     }
                 }
                 Err(e) => {
-                    not.calls.extend_from_slice(some);
+                    untaken.calls.extend_from_slice(some);
                     failed = Some(e);
                 }
             }
@@ -409,8 +421,8 @@ impl QuotaStore {
         match failed {
             None => Ok(()),
             Some(e) => Err(NotCounted {
+                untaken,
                 error: self.redis.classify(e),
-                ..not
             }),
         }
     }

@@ -26,7 +26,7 @@ mod permit;
 mod store;
 
 pub use activity::{
-    Activity, CallCount, Calls, NotCounted, ParkedCount, TENANTS_PER_CALL, parked_bucket,
+    Activity, CallCount, Calls, NotCounted, ParkedCount, TENANTS_PER_CALL, Tallied, parked_bucket,
 };
 pub use conn::{Conn, Redis, RedisSettings};
 pub use keys::Keys;

@@ -11,7 +11,7 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use tollgate_core::{ParkReason, ProviderOutcome, TenantId, UnixMillis};
-use tollgate_quota::{CallCount, Calls, ParkedCount, parked_bucket};
+use tollgate_quota::{CallCount, Calls, ParkedCount, Tallied, parked_bucket};
 
 /// How often a pod adds its tally to Redis.
 pub const FLUSH_EVERY: Duration = Duration::from_millis(500);
@@ -26,19 +26,6 @@ pub struct Tally {
 struct Counts {
     parks: HashMap<(TenantId, ParkReason, i64), u32>,
     calls: HashMap<TenantId, Calls>,
-}
-
-/// What a [`Tally`] held, to add to Redis.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct Taken {
-    pub parked: Vec<ParkedCount>,
-    pub calls: Vec<CallCount>,
-}
-
-impl Taken {
-    pub fn is_empty(&self) -> bool {
-        self.parked.is_empty() && self.calls.is_empty()
-    }
 }
 
 impl Tally {
@@ -69,9 +56,9 @@ impl Tally {
 
     /// Everything tallied since the last take, but parks that no longer
     /// count at `now` (they would count nowhere).
-    pub fn take(&self, now: UnixMillis) -> Taken {
+    pub fn take(&self, now: UnixMillis) -> Tallied {
         let counts = std::mem::take(&mut *self.lock());
-        Taken {
+        Tallied {
             parked: counts
                 .parks
                 .into_iter()
@@ -92,7 +79,7 @@ impl Tally {
     }
 
     /// Puts back what Redis did not take, to try again at the next flush.
-    pub fn restore(&self, taken: Taken) {
+    pub fn restore(&self, taken: Tallied) {
         let mut counts = self.lock();
         for c in taken.parked {
             *counts

@@ -44,7 +44,7 @@ use crate::lookahead::{Lookahead, Step, Via};
 use crate::metrics::{Metrics, UNKNOWN_TENANT};
 use crate::settings::WorkerSettings;
 use crate::system_clock::SystemClock;
-use crate::tally::{FLUSH_EVERY, Taken, Tally};
+use crate::tally::{FLUSH_EVERY, Tally};
 use crate::throttles::LocalThrottles;
 
 /// How one delivery was settled.
@@ -510,10 +510,7 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
             // Console figures: what was not added is kept for the next
             // try, never in a job's way.
             debug!(error = %not.error, "counting parked jobs and provider calls in Redis");
-            self.tally.restore(Taken {
-                parked: not.parked,
-                calls: not.calls,
-            });
+            self.tally.restore(not.untaken);
         }
     }
 
