@@ -168,6 +168,62 @@ proptest! {
     }
 }
 
+/// The script and the specification against a provider that allows 8 in
+/// any sliding second, then 12: sends paced at the learned rate (a 429
+/// pauses 1 s, its Retry-After). The same state after every outcome, through
+/// the paths random events seldom reach: a settled rate's probes, a climb
+/// after the raise, its later step failing, and the resumed climb stopping
+/// short of the rate that failed.
+#[tokio::test]
+async fn the_script_follows_a_raised_limit_as_the_specification() {
+    let (permits, store) = stores();
+    let job = Job::new("learner", &Kind::default_kind(), 0);
+    let target = Target::Tenant(job.tenant.clone());
+    let quota = Quota::parse("20/s", 1).unwrap();
+    let adaptive = Adaptive::new(quota.rate, None, None, None, None).unwrap();
+    set_adaptive(&store, &target, "20/s", adaptive).await;
+    let tuning = adaptive.tuning(quota.rate);
+    let mut spec = Learning::new(&tuning);
+    let mut accepted = std::collections::VecDeque::new();
+    let (mut now, mut stopped_short) = (T0, 0);
+    while now < T0 + 100_000_000 {
+        let limit = if now < T0 + 50_000_000 { 8 } else { 12 };
+        while accepted.front().is_some_and(|&t| now - t >= 1_000_000) {
+            accepted.pop_front();
+        }
+        let ok = accepted.len() < limit;
+        let failed_before = spec.failed;
+        let learned = if ok {
+            accepted.push_back(now);
+            spec.sent(&tuning, now);
+            sent(&permits, &job, now).await
+        } else {
+            spec.throttled(&tuning, now);
+            throttle(&permits, &job, ThrottleScope::Tenant, now).await
+        };
+        spec.audit(&tuning, now);
+        if ok && failed_before.is_some() && spec.failed.is_none() && spec.step == 0.0 {
+            stopped_short += 1;
+        }
+        assert_eq!(store.learning(&target, &tuning).await.unwrap(), spec);
+        let effective = (spec.effective(&tuning) * 1000.0).round() / 1000.0;
+        assert_eq!(learned.tenant, Some(effective));
+        now += if ok {
+            (1e6 / spec.effective(&tuning) * 1.02).ceil() as u64
+        } else {
+            1_000_000
+        };
+    }
+    assert!(stopped_short > 0, "no climb stopped short of a failed rate");
+    // What held last: above the old limit, and paced (2 %) within the new.
+    let held = spec.good.unwrap();
+    assert!(
+        held > 8.0 && held <= 12.0 * 1.02,
+        "held {held}/s under a 12/s limit"
+    );
+    store.purge_prefix().await.unwrap();
+}
+
 /// Granted send times (µs) for `n` fresh jobs asking at `now`.
 async fn sends(permits: &RedisPermits, tenant: &str, route: &Kind, n: usize, now: u64) -> Vec<u64> {
     let mut out = Vec::new();

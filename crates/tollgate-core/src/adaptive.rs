@@ -30,6 +30,9 @@
 //!   climb's failed step that was not its first leaves the limit between
 //!   two rates more than a step apart: the probe begins again after one
 //!   window, from the rate that held, its first step proven by one window.
+//!   That resumed climb stops short of the rate that failed: a step that
+//!   would reach it settles where the last one held, as a failed probe
+//!   does, instead of crossing the limit again for a 429 and a Retry-After.
 //!   A rate the tenant does not use is never raised.
 
 use std::fmt;
@@ -227,6 +230,9 @@ pub struct Learning {
     /// The next probe resumes a climb whose later step failed, from the
     /// rate its last step held a window ago: its first step is no trial.
     pub resume: bool,
+    /// The lowest rate a step of the climb under way failed at: its later
+    /// steps stop short of it (one that would reach it settles instead).
+    pub failed: Option<f64>,
     /// No probe up before this: a failed probe (or a lone 429 at a rate
     /// that held) settles the rate for a while.
     pub probe_at: u64,
@@ -255,6 +261,7 @@ impl Learning {
             step: 0.0,
             trial: false,
             resume: false,
+            failed: None,
             probe_at: 0,
             probe_wait: 0,
             cool_until: 0,
@@ -295,6 +302,9 @@ impl Learning {
                 if resume {
                     self.resume = true;
                     self.probe_at = now + WINDOW_MICROS;
+                    // Below any rate that failed before it in this climb:
+                    // its steps stop short of those.
+                    self.failed = Some(rate);
                 }
                 self.cool_until = now + WINDOW_MICROS;
                 self.window = Some((now, 0));
@@ -310,6 +320,7 @@ impl Learning {
             }
             _ => {
                 self.good = None;
+                self.failed = None;
                 self.step = limits.increase;
                 self.probe_wait = 0;
                 rate * limits.decrease
@@ -358,6 +369,13 @@ impl Learning {
             self.probe_wait = 0;
         }
         let new = limits.clamp(rate * (1.0 + self.step));
+        if self.failed.is_some_and(|failed| new >= failed) {
+            // The limit lies between this rate, which held, and one that
+            // failed in this climb: stepping there again would only cross
+            // it again. Settle here, as after a failed probe.
+            self.settle(limits, now);
+            return false;
+        }
         self.step = (self.step * 2.0).min(1.0);
         self.set(new, rate, now)
     }
@@ -366,6 +384,7 @@ impl Learning {
     /// that followed a failure.
     fn settle(&mut self, limits: &Tuning, now: u64) {
         self.step = 0.0;
+        self.failed = None;
         self.probe_wait = (self.probe_wait * 2).clamp(limits.probe_micros, 2 * limits.probe_micros);
         self.probe_at = now + self.probe_wait;
     }
@@ -549,6 +568,47 @@ mod tests {
         s.throttled(&l, now);
         assert_eq!(s.rate, held);
         assert_eq!(s.probe_at, now + 2 * l.probe_micros);
+    }
+
+    #[test]
+    fn a_climb_never_steps_to_a_rate_that_failed_in_it() {
+        let (l, mut s, mut now) = probing_above_14();
+        // The trial's two windows and the second step's hold; the third step
+        // (20 % up) fails: back to the rate that held, resuming after a window.
+        send_for(&l, &mut s, &mut now, 3 * WINDOW_MICROS + 600_000);
+        let held = s.good.unwrap();
+        let failed = s.rate;
+        now += 1;
+        s.throttled(&l, now);
+        assert_eq!((s.rate, s.failed), (held, Some(failed)));
+        // The resumed climb's steps hold, and each would double: it stops
+        // short of the rate that failed, settled where its last step held.
+        let mut highest = held;
+        let at_its_rate = |s: &mut Learning, now: &mut u64, micros: u64| {
+            let until = *now + micros;
+            while *now < until {
+                *now += (1e6 / s.effective(&l)) as u64;
+                s.sent(&l, *now);
+            }
+        };
+        for _ in 0..6 {
+            at_its_rate(&mut s, &mut now, WINDOW_MICROS + 200_000);
+            highest = highest.max(s.rate);
+            if s.step == 0.0 {
+                break;
+            }
+        }
+        assert!(highest > held, "the climb resumed");
+        assert!(
+            highest < failed,
+            "{highest} reached the rate that failed, {failed}"
+        );
+        assert_eq!((s.step, s.failed), (0.0, None), "settled");
+        // Settled as after a probe whose steps held: the next one comes after
+        // `probe`, and it may go anywhere (the limit may have risen since).
+        assert!(s.probe_at > now && s.probe_at <= now + l.probe_micros);
+        at_its_rate(&mut s, &mut now, l.probe_micros + 2 * WINDOW_MICROS);
+        assert!(s.rate > highest, "probes above it again after `probe`");
     }
 
     #[test]

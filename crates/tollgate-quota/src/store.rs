@@ -550,6 +550,7 @@ impl QuotaStore {
         learning.step = float("step")?.unwrap_or(0.0);
         learning.trial = float("trial")?.is_some_and(|t| t == 1.0);
         learning.resume = float("resume")?.is_some_and(|t| t == 1.0);
+        learning.failed = float("failed")?;
         learning.probe_at = micros("probe_at")?.unwrap_or(0);
         learning.probe_wait = micros("probe_wait")?.unwrap_or(0);
         learning.cool_until = micros("cool")?.unwrap_or(0);

@@ -9,8 +9,10 @@
 -- learning lives in the target's adapt hash: rate (per second), good, step,
 -- trial (1 while the rate is a probe's first step above a settled rate,
 -- which holds after two windows), resume (1 when the next probe resumes a
--- climb whose later step failed: no trial), probe_at, probe_wait, cool,
--- throttled, win, n, changed, audited, audited_at (times in µs).
+-- climb whose later step failed: no trial), failed (the lowest rate a step
+-- of the climb under way failed at: its later steps stop short of it),
+-- probe_at, probe_wait, cool, throttled, win, n, changed, audited,
+-- audited_at (times in µs).
 
 local ADAPT_WINDOW_US = 2000000
 local ADAPT_STORM_US = 3 * ADAPT_WINDOW_US
@@ -34,8 +36,8 @@ local function adapt_limits(quota_key)
     probe = n[8] * 1000}
 end
 
-local ADAPT_FIELDS = {'rate', 'good', 'step', 'trial', 'resume', 'probe_at', 'probe_wait', 'cool', 'throttled', 'win',
-  'n', 'changed', 'audited', 'audited_at'}
+local ADAPT_FIELDS = {'rate', 'good', 'step', 'trial', 'resume', 'failed', 'probe_at', 'probe_wait', 'cool', 'throttled',
+  'win', 'n', 'changed', 'audited', 'audited_at'}
 
 local function adapt_load(key, l)
   local f = redis.call('HMGET', key, unpack(ADAPT_FIELDS))
@@ -76,7 +78,7 @@ end
 -- No probe up for a while: `probe`, or twice that after a failure that
 -- followed a failure.
 local function adapt_settle(l, s, now)
-  s.step = 0
+  s.step, s.failed = 0, nil
   s.probe_wait = math.min(math.max(s.probe_wait * 2, l.probe), 2 * l.probe)
   s.probe_at = now + s.probe_wait
 end
@@ -97,7 +99,9 @@ local function adapt_throttled(l, s, now)
     -- of that probe waits the doubled time.
     local resume = s.probe_wait == 0 and rate > s.good * (1 + l.increase)
     adapt_settle(l, s, now)
-    if resume then s.resume, s.probe_at = 1, now + ADAPT_WINDOW_US end
+    -- Below any rate that failed before it in this climb: its steps stop
+    -- short of those.
+    if resume then s.resume, s.probe_at, s.failed = 1, now + ADAPT_WINDOW_US, rate end
     new = s.good
     s.cool, s.win, s.n = now + ADAPT_WINDOW_US, now, 0
     return adapt_set(s, adapt_effective(l, {rate = new}), rate, now)
@@ -109,7 +113,7 @@ local function adapt_throttled(l, s, now)
     adapt_settle(l, s, now)
   else
     -- The limit fell (a storm), or nothing has held yet.
-    s.good, s.step, s.probe_wait, new = nil, l.increase, 0, rate * l.decrease
+    s.good, s.failed, s.step, s.probe_wait, new = nil, nil, l.increase, 0, rate * l.decrease
   end
   s.throttled = now
   -- The 429s answering sends made before this change are one burst.
@@ -152,6 +156,13 @@ local function adapt_sent(l, s, now)
     s.probe_wait = 0
   end
   local new = adapt_effective(l, {rate = rate * (1 + s.step)})
+  if s.failed and new >= s.failed then
+    -- The limit lies between this rate, which held, and one that failed in
+    -- this climb: stepping there again would only cross it again. Settle
+    -- here, as after a failed probe.
+    adapt_settle(l, s, now)
+    return false
+  end
   s.step = math.min(s.step * 2, 1)
   return adapt_set(s, new, rate, now)
 end
