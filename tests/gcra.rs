@@ -13,6 +13,7 @@ use tollgate_core::{
 };
 use tollgate_quota::{
     CallCount, Calls, Keys, ParkedCount, PermitSettings, QuotaStore, Redis, RedisPermits, Reply,
+    Tallied,
 };
 use tollgate_runtime::system_clock::SystemClock;
 
@@ -1055,25 +1056,29 @@ fn the_pods_tallies_add_up_in_the_tenants_figures() {
         // Two pods, each with calls and parks of both tenants.
         quotas
             .count_activity(
-                &[parked(&tallied, 2), parked(&other, 1)],
-                &[
-                    calls(&tallied, &[(sent.clone(), Some(30)), (throttled, None)]),
-                    calls(&other, &[(sent.clone(), Some(3_000))]),
-                ],
+                &Tallied {
+                    parked: vec![parked(&tallied, 2), parked(&other, 1)],
+                    calls: vec![
+                        calls(&tallied, &[(sent.clone(), Some(30)), (throttled, None)]),
+                        calls(&other, &[(sent.clone(), Some(3_000))]),
+                    ],
+                },
                 now_ms,
             )
             .await
             .unwrap();
         quotas
             .count_activity(
-                &[parked(&tallied, 1)],
-                &[
-                    calls(
-                        &tallied,
-                        &[(sent.clone(), Some(5)), (ProviderOutcome::Failed, None)],
-                    ),
-                    calls(&other, &[(sent, None)]),
-                ],
+                &Tallied {
+                    parked: vec![parked(&tallied, 1)],
+                    calls: vec![
+                        calls(
+                            &tallied,
+                            &[(sent.clone(), Some(5)), (ProviderOutcome::Failed, None)],
+                        ),
+                        calls(&other, &[(sent, None)]),
+                    ],
+                },
                 now_ms,
             )
             .await
@@ -1120,7 +1125,13 @@ fn a_tally_of_many_tenants_reaches_each() {
             })
             .collect();
         quotas
-            .count_activity(&[], &calls, SystemClock.now().0)
+            .count_activity(
+                &Tallied {
+                    parked: Vec::new(),
+                    calls,
+                },
+                SystemClock.now().0,
+            )
             .await
             .unwrap();
         let counted = quotas.activity(&tenants).await.unwrap();
@@ -1179,7 +1190,13 @@ fn a_tally_taken_in_part_is_added_once() {
             calls: sent,
         }];
         let not = quotas
-            .count_activity(&parked, &calls, now_ms)
+            .count_activity(
+                &Tallied {
+                    parked: parked.clone(),
+                    calls,
+                },
+                now_ms,
+            )
             .await
             .expect_err("the parked hash is a string");
         assert_eq!(not.untaken.parked, parked, "{not}");
@@ -1193,10 +1210,7 @@ fn a_tally_taken_in_part_is_added_once() {
             .query_async(&mut conn)
             .await
             .unwrap();
-        quotas
-            .count_activity(&not.untaken.parked, &not.untaken.calls, now_ms)
-            .await
-            .unwrap();
+        quotas.count_activity(&not.untaken, now_ms).await.unwrap();
         let counted = quotas
             .activity(std::slice::from_ref(&tenant))
             .await

@@ -290,7 +290,7 @@ pub(crate) fn parked_now(fields: &[(String, i64)], now_ms: f64) -> Vec<(ParkReas
 
 impl QuotaStore {
     /// Adds a pod's tally to the fleet-wide counts, all in flight at once:
-    /// `parked` to the tenants' parked hashes and `calls` to their stats
+    /// its parks to the tenants' parked hashes and its calls to their stats
     /// (a script call for up to [`TENANTS_PER_CALL`] tenants of each kind
     /// on one Redis, one per tenant on a cluster, where a call names one
     /// slot's keys), and keeps
@@ -300,13 +300,8 @@ impl QuotaStore {
     /// has passed. What a failed call did not add comes back in the error,
     /// to add later; what was added is never added again (a failed listing
     /// is only logged: it is renewed with the next counts).
-    pub async fn count_activity(
-        &self,
-        parked: &[ParkedCount],
-        calls: &[CallCount],
-        now_ms: i64,
-    ) -> Result<(), NotCounted> {
-        if parked.is_empty() && calls.is_empty() {
+    pub async fn count_activity(&self, tally: &Tallied, now_ms: i64) -> Result<(), NotCounted> {
+        if tally.is_empty() {
             return Ok(());
         }
         let per_call = if self.redis.is_cluster() {
@@ -317,7 +312,7 @@ impl QuotaStore {
         let mut marks = Marks::new(&self.keys);
 
         let mut parked_calls = Vec::new();
-        let mut sorted: Vec<&ParkedCount> = parked.iter().collect();
+        let mut sorted: Vec<&ParkedCount> = tally.parked.iter().collect();
         sorted.sort_by_key(|c| c.tenant.as_str());
         let tenants: Vec<&[&ParkedCount]> = sorted.chunk_by(|a, b| a.tenant == b.tenant).collect();
         for some in tenants.chunks(per_call) {
@@ -343,7 +338,7 @@ impl QuotaStore {
         }
 
         let mut outcome_calls = Vec::new();
-        for some in calls.chunks(per_call) {
+        for some in tally.calls.chunks(per_call) {
             let mut invocation = self.outcomes.prepare_invoke();
             for c in some {
                 invocation
@@ -366,10 +361,7 @@ impl QuotaStore {
             Ok(conn) => conn,
             Err(error) => {
                 return Err(NotCounted {
-                    untaken: Tallied {
-                        parked: parked.to_vec(),
-                        calls: calls.to_vec(),
-                    },
+                    untaken: tally.clone(),
                     error,
                 });
             }

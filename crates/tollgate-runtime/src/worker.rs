@@ -502,11 +502,7 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
         if taken.is_empty() {
             return;
         }
-        if let Err(not) = self
-            .quotas
-            .count_activity(&taken.parked, &taken.calls, now.0)
-            .await
-        {
+        if let Err(not) = self.quotas.count_activity(&taken, now.0).await {
             // Console figures: what was not added is kept for the next
             // try, never in a job's way.
             debug!(error = %not.error, "counting parked jobs and provider calls in Redis");

@@ -15,7 +15,7 @@ use tollgate_core::ports::{PermitRequest, PermitStore, PermitUse};
 use tollgate_core::{
     Clock, IdempotencyKey, JobId, Kind, Priority, ProviderOutcome, Quota, TenantId,
 };
-use tollgate_quota::{CallCount, Calls, Script, redis_cmd};
+use tollgate_quota::{CallCount, Calls, Script, Tallied, redis_cmd};
 use tollgate_runtime::system_clock::SystemClock;
 
 use super::permits::unlimited_tenant;
@@ -154,11 +154,15 @@ async fn measure(base: &Config, server: &Callgrind) -> anyhow::Result<[f64; 7]> 
                 })
             })
             .collect::<anyhow::Result<Vec<_>>>()?;
-        store.count_activity(&[], &tally, now_ms()).await?;
+        let tally = Tallied {
+            parked: Vec::new(),
+            calls: tally,
+        };
+        store.count_activity(&tally, now_ms()).await?;
         let per_call = server
             .count(async {
                 for _ in counted.clone() {
-                    store.count_activity(&[], &tally, now_ms()).await?;
+                    store.count_activity(&tally, now_ms()).await?;
                 }
                 anyhow::Ok(())
             })
