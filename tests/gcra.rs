@@ -1890,7 +1890,7 @@ fn as_on_a_cluster_a_tenant_held_by_its_own_quota_keeps_its_place_beside_one_tha
 /// place used to be dropped the moment it passed: the first job then took
 /// the next place, 100 ms on, and the next job found its place spent and
 /// went to the back of the line (at one delivery per queue the tenant sent
-/// 0.59-0.82 of its quota in a fifth of the benchmark's runs).
+/// 0.59-0.95 of its quota in a quarter of the benchmark's runs).
 #[test]
 fn a_job_a_little_late_for_its_kept_place_still_takes_it() {
     let sends = runtime().block_on(async {

@@ -330,7 +330,7 @@ local function permit(KEYS, ARGV)
   -- traced). Dropped the moment it passed, the place was gone when its
   -- job came, the job took the tenant's next place (the next job's), and
   -- that job went to the back of the line: at one delivery per queue the
-  -- tenant sent 0.59-0.82 of its quota in a fifth of the runs. A send that
+  -- tenant sent 0.59-0.95 of its quota in a quarter of the runs. A send that
   -- late counts as a send on its place whose call began late
   -- (`bucket_leeway`): it is given only the rest of the leeway, at least
   -- half of it, so that the pod still has time to begin the call (a
