@@ -282,7 +282,7 @@ local function permit(KEYS, ARGV)
     return {math.ceil(clock.step * total), 1, changed, clock}, held_below
   end
 
-  local tenant_tat = load_tat(held[4], tenant)
+  local tenant_tat, tenant_stored = load_tat(held[4], tenant)
   local delay = delay_of(tenant_tat, tenant)
   -- The route's slot reserved this send time: the tenant takes exactly it,
   -- or refuses (and the pod gives it back to the route).
@@ -335,9 +335,12 @@ local function permit(KEYS, ARGV)
   -- (`bucket_leeway`): it is given only the rest of the leeway, at least
   -- half of it, so that the pod still has time to begin the call (a
   -- permit read too late is let go, and its place is spent).
+  -- How late a granted call may begin (`bucket_leeway`).
+  local grant_leeway = bucket_leeway(tenant, pacing)
+  if route then grant_leeway = math.min(grant_leeway, bucket_leeway(route, pacing)) end
   local kept_grace = 0
   if kept_on then
-    kept_grace = math.min(bucket_leeway(tenant, pacing), bucket_leeway(route, pacing)) / 2
+    kept_grace = grant_leeway / 2
     redis.call('ZREMRANGEBYSCORE', route_kept_key, '-inf', '(' .. string.format('%.0f', now - kept_grace))
   end
 
@@ -636,7 +639,7 @@ local function permit(KEYS, ARGV)
       return next_tat
     end
     local kept_late = kept_at and send - kept_at or 0
-    local tenant_next = advance(tenant_tat_key, kept_late > 0 and (tonumber(held[4]) or kept_at) or tenant_tat,
+    local tenant_next = advance(tenant_tat_key, kept_late > 0 and (tenant_stored or kept_at) or tenant_tat,
       tenant, send - kept_late)
     -- A fresh job took a slot ahead of the places of the classes served after it.
     if not remaining then make_room(lines, rank, tenant_tat, tenant, 1) end
@@ -690,10 +693,8 @@ local function permit(KEYS, ARGV)
       redis.call('SET', shadow_tat_key, string.format('%.0f', snext), 'PX', math.ceil((snext - now) / 1000) + 1000)
     end
 
-    -- How late the call may begin (`bucket_leeway`).
-    local leeway = bucket_leeway(tenant, pacing)
-    if route then leeway = math.min(leeway, bucket_leeway(route, pacing)) end
-    leeway = leeway - kept_late
+    -- How late the call may begin: less how late it is for a kept place.
+    local leeway = grant_leeway - kept_late
     -- This slot's clock read past the time the route's slot reserved (a
     -- round trip later): the send is that late already.
     local late = 0
