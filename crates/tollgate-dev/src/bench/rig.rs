@@ -226,8 +226,37 @@ impl Rig {
         Ok(())
     }
 
+    /// Writes what the provider received: microseconds since its first
+    /// request, tenant, status, attempt and job id.
+    fn dump_sends(&self, dir: &std::path::Path) -> anyhow::Result<()> {
+        use std::io::Write as _;
+        let received = self.provider.received();
+        let Some(first) = received.iter().map(|r| r.instant).min() else {
+            return Ok(());
+        };
+        let path = dir.join(format!("sends-{}.log", self.config.prefix));
+        let mut out = std::io::BufWriter::new(std::fs::File::create(path)?);
+        for r in &received {
+            writeln!(
+                out,
+                "{} {} {} {} {}",
+                r.instant.duration_since(first).as_micros(),
+                r.tenant,
+                r.status,
+                r.attempt,
+                r.job_id
+            )?;
+        }
+        Ok(())
+    }
+
     /// Stops every worker and deletes the prefix's queues and keys.
     pub async fn cleanup(mut self) -> anyhow::Result<()> {
+        // For a per-send trace of a run: every request the provider saw,
+        // one line each, to DIR/sends-<prefix>.log.
+        if let Some(dir) = std::env::var_os("BENCH_SENDS_LOG") {
+            self.dump_sends(std::path::Path::new(&dir))?;
+        }
         for child in &mut self.processes {
             let _ = Command::new("kill")
                 .args(["-TERM", &child.id().to_string()])
