@@ -190,7 +190,7 @@ impl Default for Config {
             pause_recheck_ms: 5_000,
             unavailable_retry_ms: 1_000,
             unavailable_retry_max_ms: 5_000,
-            quota_recheck_ms: 5_000,
+            quota_recheck_ms: 2_000,
             concurrency_retry_ms: 100,
             denial_block: 8,
             denial_cache_ms: 1_000,
