@@ -476,6 +476,11 @@ impl JobRun {
     /// Just before the call: a permit whose slot passed more than its
     /// leeway ago (the pod was busy: no call slot free, a late timer) is
     /// not used. The permit store must be asked again; the slot is spent.
+    /// The send time of the permit this job holds, once granted.
+    pub fn slot(&self) -> Option<UnixMillis> {
+        self.slot.map(|(slot, _)| slot)
+    }
+
     pub fn too_late(&mut self, now: UnixMillis) -> Option<Action> {
         debug_assert_eq!(self.stage, Stage::Granted, "only a granted job can be late");
         let (slot, leeway) = self.slot?;

@@ -1029,8 +1029,17 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
                         self.metrics.due_lag(tenant, lag);
                     }
                     let started = Instant::now();
+                    let began = self.clock.now();
                     let response = self.provider.call(ProviderCall { job, attempt }).await;
                     let took = started.elapsed();
+                    // For a trace of a send that came late to the provider:
+                    // how far past its permit's slot the call began, and
+                    // how long it took.
+                    debug!(
+                        late_ms = run.slot().map(|slot| slot.until(began).as_millis() as u64),
+                        took_ms = took.as_millis() as u64,
+                        "provider called"
+                    );
                     // The call is over: its slot goes to the next job now,
                     // not after the sent record's round trip. Held through
                     // it, a granted permit waiting for the slot went past

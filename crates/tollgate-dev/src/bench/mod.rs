@@ -291,6 +291,7 @@ pub async fn run(base: &Config, args: &BenchArgs) -> anyhow::Result<()> {
             "rabbitmq": command_version("rabbitmqctl", &["version"]),
             "redis": command_version("redis-server", &["--version"]),
             "profile": if cfg!(debug_assertions) { "debug" } else { "release" },
+            "provider": crate::fake_provider::Priority::of_providers().map(|p| p.describe()),
             "peer": peer_versions,
         },
         "scenarios": scenarios.iter().map(|s| (s.key.to_owned(), json!({
@@ -342,6 +343,9 @@ fn markdown(
         m["redis"].as_str().unwrap_or("?"),
         m["profile"].as_str().unwrap_or("?"),
     );
+    if let Some(provider) = m["provider"].as_str() {
+        out.push_str(&format!("The provider: {provider}.\n"));
+    }
     for line in peer::version_lines(&m["peer"]) {
         out.push_str(&format!("{line}\n"));
     }

@@ -619,7 +619,7 @@ impl<'a> PeerRig<'a> {
         quotas: &[(String, u32)],
         limiter: Limiter,
     ) -> anyhow::Result<Self> {
-        let provider = FakeProvider::start(behavior).await?;
+        let provider = FakeProvider::start_punctual(behavior).await?;
         let f = peer.framework;
         let prefix = format!(
             "bench_peer_{}{}",

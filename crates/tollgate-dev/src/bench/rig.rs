@@ -36,7 +36,7 @@ pub struct Process {
 
 impl Rig {
     pub async fn new(base: &Config, behavior: Behavior) -> anyhow::Result<Self> {
-        let provider = FakeProvider::start(behavior).await?;
+        let provider = FakeProvider::start_punctual(behavior).await?;
         let config = Config {
             prefix: format!("bench-{}", &uuid::Uuid::new_v4().simple().to_string()[..8]),
             provider_url: Some(SecretUrl::new(provider.url())),
