@@ -162,7 +162,7 @@ async fn a_rabbitmq_node_stopped_mid_run_loses_nothing_and_sends_nothing_twice()
     let clusters = Clusters::up("--rabbit-only").await;
     let nodes: Vec<String> = clusters.list("RABBIT_NODES");
     // The provider accepts everything; the quota is checked on what it saw.
-    let provider = FakeProvider::start(fake_provider::always_ok())
+    let provider = FakeProvider::start_punctual(fake_provider::always_ok())
         .await
         .unwrap();
     let urls = clusters.get("RABBIT_AMQP_URLS").to_owned();
@@ -342,7 +342,7 @@ async fn a_redis_master_killed_mid_run_loses_nothing_and_sends_nothing_twice() {
     let clusters = Clusters::up("--redis-only").await;
     let nodes: Vec<String> = clusters.list("REDIS_CLUSTER_NODES");
     let masters: Vec<String> = clusters.list("REDIS_CLUSTER_MASTERS");
-    let provider = FakeProvider::start(fake_provider::always_ok())
+    let provider = FakeProvider::start_punctual(fake_provider::always_ok())
         .await
         .unwrap();
     // Every node of the cluster, as an operator would list them.

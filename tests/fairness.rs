@@ -21,7 +21,7 @@ use tollgate_tests::{
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_noisy_tenant_never_delays_a_quiet_one() {
-    let provider = FakeProvider::start(fake_provider::always_ok())
+    let provider = FakeProvider::start_punctual(fake_provider::always_ok())
         .await
         .unwrap();
     let env = TestEnv::new(&provider.url()).await;
@@ -276,7 +276,7 @@ async fn one_delivery_per_work_queue_still_reaches_a_tenant_behind_a_backlog() {
 /// disk was, not whether the quiet tenant waits for the backlog.)
 async fn quiet_behind_a_backlog(setting: &str, tweak: impl FnOnce(&mut tollgate::config::Config)) {
     const CALL: Duration = Duration::from_millis(100);
-    let provider = FakeProvider::start(fake_provider::slow_ok(CALL))
+    let provider = FakeProvider::start_punctual(fake_provider::slow_ok(CALL))
         .await
         .unwrap();
     // One work queue: the quiet tenant's jobs are behind the whole backlog.
@@ -380,7 +380,7 @@ async fn a_copy_back_from_a_wait_does_not_queue_behind_fresh_work() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tenants_jobs_go_out_high_then_normal_then_low() {
     use tollgate_core::Priority::{High, Low, Normal};
-    let provider = FakeProvider::start(fake_provider::always_ok())
+    let provider = FakeProvider::start_punctual(fake_provider::always_ok())
         .await
         .unwrap();
     let env = TestEnv::new(&provider.url()).await;
@@ -435,7 +435,7 @@ async fn a_tenants_jobs_go_out_high_then_normal_then_low() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_backlog_that_only_parks_is_looked_past_and_the_look_ahead_closes_after() {
     const BACKLOG: u32 = 400;
-    let provider = FakeProvider::start(fake_provider::always_ok())
+    let provider = FakeProvider::start_punctual(fake_provider::always_ok())
         .await
         .unwrap();
     let env = TestEnv::new_with(&provider.url(), |c| c.shards = 1).await;

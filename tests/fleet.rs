@@ -10,7 +10,7 @@ use tollgate_tests::{
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn eight_worker_processes_share_one_quota_of_twenty_per_second() {
     // A strict provider: more than 20 accepted in any second gets 429.
-    let provider = FakeProvider::start(fake_provider::strict_limits(HashMap::from([(
+    let provider = FakeProvider::start_punctual(fake_provider::strict_limits(HashMap::from([(
         "fleet".to_owned(),
         20,
     )])))
