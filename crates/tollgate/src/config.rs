@@ -160,6 +160,14 @@ pub struct Config {
     pub name: Option<String>,
 }
 
+/// The smallest `pacing_margin_pct`: half of it is how late a call may
+/// begin after its slot (5 ms of a per-second quota at 1 %).
+const MIN_PACING_MARGIN_PCT: f64 = 1.0;
+
+/// The longest `sent_ttl_s` or `cancel_ttl_s`: 100 years, well inside what
+/// Redis accepts as an expiry.
+const MAX_TTL_S: u64 = 100 * 365 * 24 * 3600;
+
 impl Default for Config {
     fn default() -> Self {
         Self {
@@ -318,9 +326,15 @@ impl Config {
         if self.max_attempts == 0 {
             bail!("max_attempts must be at least 1");
         }
-        if !(0.0..=50.0).contains(&self.pacing_margin_pct) {
-            bail!("pacing_margin_pct must be between 0 and 50");
+        if !(MIN_PACING_MARGIN_PCT..=50.0).contains(&self.pacing_margin_pct) {
+            bail!(
+                "pacing_margin_pct must be between {MIN_PACING_MARGIN_PCT} and 50: a granted call \
+                 may begin up to half the margin of the quota's period after its slot (10 ms of a \
+                 per-second quota at 2 %), and below {MIN_PACING_MARGIN_PCT} % a busy pod lets \
+                 most permits go unused as late"
+            );
         }
+        self.check_durations()?;
         if self.prefetch == Some(0) {
             bail!("prefetch must be at least 1");
         }
@@ -348,6 +362,85 @@ impl Config {
         self.pod_max_rate()?;
         self.tls_ca_pem()?;
         self.baseline()?;
+        Ok(())
+    }
+
+    /// Durations and counts that zero (or an absurd size) would turn into a
+    /// loop, a lost guarantee or a Redis error: each named, with why.
+    fn check_durations(&self) -> anyhow::Result<()> {
+        let at_least_one: [(&str, u64, &str); 9] = [
+            (
+                "provider_timeout_ms",
+                self.provider_timeout_ms,
+                "every call would time out",
+            ),
+            (
+                "delivery_timeout_ms",
+                self.delivery_timeout_ms,
+                "every delivery would be handed back as hung",
+            ),
+            (
+                "pause_recheck_ms",
+                self.pause_recheck_ms,
+                "a paused tenant's jobs would ask again in a busy loop",
+            ),
+            (
+                "concurrency_retry_ms",
+                self.concurrency_retry_ms,
+                "a job at its tenant's concurrency limit would ask again in a busy loop",
+            ),
+            (
+                "unavailable_retry_ms",
+                self.unavailable_retry_ms,
+                "jobs would ask an unreachable Redis again in a busy loop",
+            ),
+            (
+                "quota_seed_interval_ms",
+                self.quota_seed_interval_ms,
+                "the baseline would be checked in a busy loop",
+            ),
+            (
+                "redis_timeout_ms",
+                self.redis_timeout_ms,
+                "every Redis call would time out",
+            ),
+            (
+                "sent_ttl_s",
+                self.sent_ttl_s,
+                "no sent record would be kept, and a redelivered copy would be sent again",
+            ),
+            (
+                "cancel_ttl_s",
+                self.cancel_ttl_s,
+                "no cancellation would be kept",
+            ),
+        ];
+        for (key, value, why) in at_least_one {
+            if value == 0 {
+                bail!("{key} must be at least 1: at 0 {why}");
+            }
+        }
+        for (key, value) in [
+            ("sent_ttl_s", self.sent_ttl_s),
+            ("cancel_ttl_s", self.cancel_ttl_s),
+        ] {
+            if value > MAX_TTL_S {
+                bail!("{key} must be at most {MAX_TTL_S} (100 years), not {value}");
+            }
+        }
+        if self.delivery_limit == 0 {
+            bail!(
+                "delivery_limit must be at least 1: at 0 every job would be dead-lettered as poison on its first delivery"
+            );
+        }
+        if self.hold_max_ms >= self.delivery_timeout_ms {
+            bail!(
+                "hold_max_ms ({}) must be less than delivery_timeout_ms ({}): a job held that long \
+                 would be handed back as hung",
+                self.hold_max_ms,
+                self.delivery_timeout_ms
+            );
+        }
         Ok(())
     }
 
@@ -754,6 +847,39 @@ mod tests {
             ..Config::default()
         };
         assert!(format!("{:#}", bad.validate().unwrap_err()).contains("hold limit"));
+    }
+
+    /// Each of these was accepted once and then broke a promise at run
+    /// time (a busy loop, a send twice, every job dead-lettered).
+    #[test]
+    fn a_setting_that_would_break_a_promise_is_refused_by_name() {
+        let refused = |change: fn(&mut Config), key: &str| {
+            let mut bad = Config::default();
+            change(&mut bad);
+            let error = format!("{:#}", bad.validate().unwrap_err());
+            assert!(error.starts_with(key), "{key}: {error}");
+        };
+        refused(|c| c.pacing_margin_pct = 0.0, "pacing_margin_pct");
+        refused(|c| c.pacing_margin_pct = 0.5, "pacing_margin_pct");
+        refused(|c| c.sent_ttl_s = 0, "sent_ttl_s");
+        refused(|c| c.sent_ttl_s = u64::MAX / 1000, "sent_ttl_s");
+        refused(|c| c.cancel_ttl_s = 0, "cancel_ttl_s");
+        refused(|c| c.pause_recheck_ms = 0, "pause_recheck_ms");
+        refused(|c| c.concurrency_retry_ms = 0, "concurrency_retry_ms");
+        refused(|c| c.unavailable_retry_ms = 0, "unavailable_retry_ms");
+        refused(|c| c.provider_timeout_ms = 0, "provider_timeout_ms");
+        refused(|c| c.delivery_timeout_ms = 0, "delivery_timeout_ms");
+        refused(|c| c.delivery_limit = 0, "delivery_limit");
+        refused(|c| c.redis_timeout_ms = 0, "redis_timeout_ms");
+        refused(|c| c.quota_seed_interval_ms = 0, "quota_seed_interval_ms");
+        refused(|c| c.hold_max_ms = c.delivery_timeout_ms, "hold_max_ms");
+        let edge = Config {
+            pacing_margin_pct: 1.0,
+            sent_ttl_s: 1,
+            delivery_limit: 1,
+            ..Config::default()
+        };
+        edge.validate().unwrap();
     }
 
     #[test]

@@ -1,5 +1,7 @@
 //! The `tollgate` binary: parse arguments, load config, run the verb, map
-//! failure to an exit code (64 for bad configuration or usage, 1 otherwise).
+//! failure to an exit code: 2 for arguments clap refuses (its usage error),
+//! 64 for bad configuration (or an empty `--actor`), 1 for anything else,
+//! arguments a verb refuses (`--rate 0/s`) included.
 
 use std::process::ExitCode;
 use std::sync::Arc;
