@@ -172,16 +172,55 @@ fn printable(value: &str) -> String {
 }
 
 /// Parses `Retry-After` as delta-seconds or an HTTP date, relative to `now`.
+/// Beyond the standard, as providers send it: fractional seconds (`1.5`,
+/// rounded up to the millisecond, never shorter than asked), more digits
+/// than a `u64` holds (the cap), and a list from repeated headers (`5, 30`:
+/// the longest). Anything else is `None` (the caller's default wait).
 pub fn parse_retry_after(value: &str, now: UnixMillis) -> Option<Duration> {
     let value = value.trim();
-    let wait = if let Ok(secs) = value.parse::<u64>() {
-        Duration::from_secs(secs)
-    } else {
-        let at = httpdate::parse_http_date(value).ok()?;
-        let at_ms = at.duration_since(UNIX_EPOCH).ok()?.as_millis() as i64;
-        now.until(UnixMillis(at_ms))
+    let wait = match delay_seconds(value) {
+        Some(wait) => wait,
+        None => match httpdate::parse_http_date(value) {
+            Ok(at) => {
+                let at_ms = at.duration_since(UNIX_EPOCH).ok()?.as_millis() as i64;
+                now.until(UnixMillis(at_ms))
+            }
+            // Not a date (whose own commas would split it): a list.
+            Err(_) if value.contains(',') => value
+                .split(',')
+                .map(|part| delay_seconds(part.trim()))
+                .collect::<Option<Vec<_>>>()?
+                .into_iter()
+                .max()?,
+            Err(_) => return None,
+        },
     };
     Some(wait.min(MAX_RETRY_AFTER))
+}
+
+/// `Retry-After`'s delta-seconds, whole or fractional, with an optional `+`.
+fn delay_seconds(value: &str) -> Option<Duration> {
+    let digits = value.strip_prefix('+').unwrap_or(value);
+    let (whole, fraction) = digits.split_once('.').unwrap_or((digits, ""));
+    let all_digits = |s: &str| s.bytes().all(|b| b.is_ascii_digit());
+    if whole.is_empty() || !all_digits(whole) || !all_digits(fraction) {
+        return None;
+    }
+    let Ok(secs) = whole.parse::<u64>() else {
+        // Only digits, and too many of them for a u64: far past the cap.
+        return Some(MAX_RETRY_AFTER);
+    };
+    // Rounded up to the millisecond: never earlier than asked.
+    let millis = fraction
+        .bytes()
+        .chain(std::iter::repeat(b'0'))
+        .take(3)
+        .fold(0u64, |ms, b| ms * 10 + u64::from(b - b'0'));
+    let rounds_up = fraction.bytes().skip(3).any(|b| b != b'0');
+    Some(
+        Duration::from_secs(secs.min(MAX_RETRY_AFTER.as_secs() + 1))
+            + Duration::from_millis(millis + u64::from(rounds_up)),
+    )
 }
 
 /// Formats an instant as an HTTP date (used by test providers).
@@ -261,5 +300,37 @@ mod tests {
             parse_retry_after(&http_date(UnixMillis(0)), now),
             Some(Duration::ZERO)
         );
+    }
+
+    /// What providers send beside the standard: each was once read as no
+    /// `Retry-After` at all, and the job came back after the 1 s default,
+    /// earlier than the provider asked.
+    #[test]
+    fn retry_after_as_providers_write_it() {
+        let now = UnixMillis(1_796_115_600_000);
+        let ms = Duration::from_millis;
+        assert_eq!(parse_retry_after("1.5", now), Some(ms(1_500)));
+        assert_eq!(parse_retry_after("0.5", now), Some(ms(500)));
+        assert_eq!(
+            parse_retry_after("2.0001", now),
+            Some(ms(2_001)),
+            "rounded up"
+        );
+        assert_eq!(parse_retry_after(" +5 ", now), Some(ms(5_000)));
+        assert_eq!(
+            parse_retry_after("99999999999999999999", now),
+            Some(MAX_RETRY_AFTER)
+        );
+        assert_eq!(parse_retry_after("5, 30", now), Some(ms(30_000)));
+        assert_eq!(parse_retry_after("5,1.25", now), Some(ms(5_000)));
+        let later = now.saturating_add(Duration::from_secs(7));
+        assert_eq!(
+            parse_retry_after(&http_date(later), now),
+            Some(ms(7_000)),
+            "a date's own comma is not a list"
+        );
+        for odd in ["", "-1", "1e3", ".5", "5,", "5, soon", "1.2.3", "NaN"] {
+            assert_eq!(parse_retry_after(odd, now), None, "{odd:?}");
+        }
     }
 }

@@ -14,6 +14,10 @@ use tollgate_core::ports::{Provider, ProviderCall, ThrottleScope};
 use tollgate_core::{Eligibility, Job};
 use url::Url;
 
+/// How much of a provider's answer is read (and thrown away) so that its
+/// connection can be reused; past it the connection is dropped instead.
+const MAX_DRAINED_BODY: usize = 64 * 1024;
+
 #[derive(Debug, thiserror::Error)]
 pub enum ProviderError {
     #[error("route {kind:?}: {url} is not an http(s) URL")]
@@ -164,16 +168,30 @@ impl Provider for HttpProvider {
             .send()
             .await;
         match sent {
-            Ok(resp) => {
+            Ok(mut resp) => {
                 let status = resp.status().as_u16();
+                // Every value of a repeated header, as one list (`5, 30`):
+                // the classifier takes the longest wait.
                 let header = |name| {
-                    resp.headers()
-                        .get(name)
+                    let values: Vec<String> = resp
+                        .headers()
+                        .get_all(name)
+                        .iter()
                         .map(|v: &HeaderValue| String::from_utf8_lossy(v.as_bytes()).into_owned())
+                        .collect();
+                    (!values.is_empty()).then(|| values.join(", "))
                 };
                 let (retry_after, location) = (header(RETRY_AFTER), header(LOCATION));
-                // Drain the body so the connection can be reused.
-                let _ = resp.bytes().await;
+                // Drain the body so the connection can be reused, but only so
+                // far: the call is answered, and a provider's endless body
+                // must not hold the pod's memory (or the job) meanwhile.
+                let mut drained = 0;
+                while drained <= MAX_DRAINED_BODY {
+                    match resp.chunk().await {
+                        Ok(Some(chunk)) => drained += chunk.len(),
+                        _ => break,
+                    }
+                }
                 ProviderResponse::Status {
                     status,
                     retry_after,
@@ -208,6 +226,61 @@ mod tests {
             Route::new("default", url, None, ThrottleScope::Tenant),
             Err(ProviderError::Scheme { .. })
         ));
+    }
+
+    /// A 429 with two `Retry-After` headers, then a body that never ends:
+    /// both values reach the classifier, and the call is answered after
+    /// reading a bounded part of the body (the server counts what it could
+    /// write before the client hung up; it stops by itself at 256 MiB).
+    #[tokio::test]
+    async fn a_repeated_retry_after_is_one_list_and_an_endless_body_is_not_read() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        const SERVER_STOPS_AT: usize = 256 << 20;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let server = tokio::spawn(async move {
+            let (mut socket, _) = listener.accept().await.unwrap();
+            let mut request = vec![0u8; 64 * 1024];
+            let _ = socket.read(&mut request).await;
+            socket
+                .write_all(
+                    b"HTTP/1.1 429 Too Many Requests\r\nRetry-After: 5\r\n\
+                      Retry-After: 30\r\nTransfer-Encoding: chunked\r\n\r\n",
+                )
+                .await
+                .unwrap();
+            let chunk = format!("2000\r\n{}\r\n", "x".repeat(0x2000));
+            let mut written = 0;
+            while written < SERVER_STOPS_AT && socket.write_all(chunk.as_bytes()).await.is_ok() {
+                written += 0x2000;
+            }
+            written
+        });
+        let url = Url::parse(&format!("http://{addr}/send")).unwrap();
+        let route = Route::new("default", url, None, ThrottleScope::Tenant).unwrap();
+        let provider = HttpProvider::new(vec![route], Duration::from_secs(600)).unwrap();
+        let body = br#"{"id":"j-1","tenant":"acme","kind":"default","payload":{}}"#;
+        let job = tollgate_core::job::decode(body, &tollgate_core::job::Limits::default()).unwrap();
+        let response = provider
+            .call(ProviderCall {
+                job: &job,
+                attempt: 1,
+            })
+            .await;
+        assert_eq!(
+            response,
+            ProviderResponse::Status {
+                status: 429,
+                retry_after: Some("5, 30".into()),
+                location: None,
+            }
+        );
+        drop(provider);
+        let written = server.await.unwrap();
+        assert!(
+            written < SERVER_STOPS_AT,
+            "the client read the endless body until the server gave up ({written} bytes)"
+        );
     }
 
     #[test]
