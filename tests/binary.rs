@@ -90,16 +90,25 @@ async fn the_binary_runs_a_worker_and_every_verb_works() {
         String::from_utf8_lossy(&bad.stderr).contains("--weight applies to tenants"),
         "{bad:?}"
     );
-    let bad = Command::new(tollgate_bin())
-        .args(["quota", "set", "acme", "--weight", "0"])
-        .env("TOLLGATE_PREFIX", &env.config.prefix)
-        .output()
-        .unwrap();
-    assert_eq!(bad.status.code(), Some(2), "clap's usage error");
-    assert!(
-        String::from_utf8_lossy(&bad.stderr).contains("weight 0 is not between 1 and 1000"),
-        "{bad:?}"
-    );
+    for (args, refusal) in [
+        (&["--weight", "0"][..], "weight 0 is not between 1 and 1000"),
+        (
+            &["--rate", "20/s", "--concurrency", "0"],
+            "concurrency must be at least 1",
+        ),
+    ] {
+        let bad = Command::new(tollgate_bin())
+            .args(["quota", "set", "acme"])
+            .args(args)
+            .env("TOLLGATE_PREFIX", &env.config.prefix)
+            .output()
+            .unwrap();
+        assert_eq!(bad.status.code(), Some(2), "clap's usage error: {args:?}");
+        assert!(
+            String::from_utf8_lossy(&bad.stderr).contains(refusal),
+            "{bad:?}"
+        );
+    }
     // An adaptive quota: the rate is the ceiling; get shows what is learned.
     let out = tollgate(
         &env,

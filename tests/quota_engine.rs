@@ -715,6 +715,19 @@ async fn the_admin_api_needs_the_right_token() {
         let message = refused.text().await.unwrap();
         assert!(message.contains("weight"), "{message}");
     }
+    // A concurrency of 0 reads as no limit in Redis: refused, not stored.
+    let refused = put_weight(
+        "/v1/tenants/acme/quota",
+        serde_json::json!({"rate": "20/s", "concurrency": 0}),
+    )
+    .await
+    .unwrap();
+    assert_eq!(refused.status(), 400);
+    let message = refused.text().await.unwrap();
+    assert!(
+        message.contains("concurrency must be at least 1"),
+        "{message}"
+    );
     assert_eq!(
         env.quotas
             .get(&tenant("acme"))

@@ -139,15 +139,20 @@ impl Adaptive {
         probe_secs: Option<f64>,
     ) -> Result<Self, QuotaError> {
         let min = min.map(str::parse).transpose()?;
-        let probe = match probe_secs {
-            Some(s) if s.is_finite() && s >= 0.0 => Some(Duration::from_secs_f64(s)),
-            Some(s) => {
-                return Err(QuotaError::Adaptive(format!(
-                    "--probe {s} is not a duration in seconds"
-                )));
-            }
-            None => None,
-        };
+        let probe = probe_secs
+            .map(|s| {
+                // `try_`: a number past what a Duration holds (1e300) is
+                // refused like any other probe out of range, not a panic.
+                Duration::try_from_secs_f64(s).map_err(|_| {
+                    let shown = if s.abs() < 1e9 {
+                        s.to_string()
+                    } else {
+                        format!("{s:e}")
+                    };
+                    QuotaError::Adaptive(format!("--probe {shown} s is not between 1 s and 1 h"))
+                })
+            })
+            .transpose()?;
         Self::new(ceiling, min, decrease, increase, probe)
     }
 
@@ -442,6 +447,15 @@ mod tests {
         assert!(Adaptive::new(ceiling, None, Some(1.0), None, None).is_err());
         assert!(Adaptive::new(ceiling, None, None, Some(0.0), None).is_err());
         assert!(Adaptive::new(ceiling, None, None, None, Some(Duration::ZERO)).is_err());
+        // As typed: past what a Duration holds is an error too, not a panic.
+        for probe in [1e300, 3e19, -1.0, f64::NAN, f64::INFINITY] {
+            let refused = Adaptive::parse(ceiling, None, None, None, Some(probe)).unwrap_err();
+            assert!(
+                refused.to_string().contains("--probe"),
+                "{probe}: {refused}"
+            );
+        }
+        assert!(Adaptive::parse(ceiling, None, None, None, Some(15.0)).is_ok());
     }
 
     #[test]

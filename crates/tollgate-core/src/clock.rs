@@ -47,6 +47,19 @@ impl UnixMillis {
         }
     }
 
+    /// `self`, if it lies in the years a job's instants may (2000–2200).
+    pub fn in_job_range(self) -> Result<Self, TimeError> {
+        let nanos = i128::from(self.0) * 1_000_000;
+        let year = OffsetDateTime::from_unix_timestamp_nanos(nanos)
+            .map(|t| t.year())
+            .unwrap_or(if self.0 < 0 { i32::MIN } else { i32::MAX });
+        if (MIN_YEAR..=MAX_YEAR).contains(&year) {
+            Ok(self)
+        } else {
+            Err(TimeError::OutOfRange(year))
+        }
+    }
+
     pub fn saturating_add(self, d: Duration) -> Self {
         Self(self.0.saturating_add(duration_ms(d)))
     }
@@ -100,6 +113,12 @@ mod tests {
             UnixMillis::parse_rfc3339("9999-12-31T23:59:59Z"),
             Err(TimeError::OutOfRange(9999))
         );
+        let now = UnixMillis(1_796_115_600_000);
+        assert_eq!(now.in_job_range(), Ok(now));
+        let far = now.saturating_add(Duration::from_secs(300 * 366 * 24 * 3600));
+        assert!(matches!(far.in_job_range(), Err(TimeError::OutOfRange(y)) if y > 2200));
+        assert!(UnixMillis(i64::MAX).in_job_range().is_err());
+        assert!(UnixMillis(i64::MIN).in_job_range().is_err());
     }
 
     #[test]

@@ -31,6 +31,8 @@ pub enum QuotaError {
     TooFast(String),
     #[error("weight {0} is not between 1 and {max}", max = MAX_WEIGHT)]
     Weight(u32),
+    #[error("concurrency must be at least 1 (leave it out for no limit)")]
+    ZeroConcurrency,
     #[error("{0}")]
     Adaptive(String),
 }
@@ -45,6 +47,17 @@ pub fn weight(w: u32) -> Result<u32, QuotaError> {
         Ok(w)
     } else {
         Err(QuotaError::Weight(w))
+    }
+}
+
+/// A tenant's limit on its provider calls in flight across the fleet. 0 is
+/// refused: the permit script reads it as no limit at all, the opposite of
+/// what an operator who types it means.
+pub fn concurrency(c: u32) -> Result<u32, QuotaError> {
+    if c == 0 {
+        Err(QuotaError::ZeroConcurrency)
+    } else {
+        Ok(c)
     }
 }
 

@@ -165,7 +165,7 @@ impl Baseline {
                 .context("adaptive")?;
             Ok(Change::SetQuota {
                 quota,
-                concurrency: e.concurrency,
+                concurrency: e.concurrency.map(tollgate_core::concurrency).transpose()?,
                 weight: e.weight.map(tollgate_core::weight).transpose()?,
                 adaptive,
             })
@@ -314,6 +314,18 @@ mod tests {
             message.contains("[tenants.acme]") && message.contains("weight 0"),
             "{message}"
         );
+        let bad: Baseline =
+            toml::from_str("[tenants.acme]\nrate = \"1/s\"\nconcurrency = 0").unwrap();
+        let message = format!("{:#}", bad.changes().unwrap_err());
+        assert!(
+            message.contains("concurrency must be at least 1"),
+            "{message}"
+        );
+        let bad: Baseline =
+            toml::from_str("[tenants.acme]\nrate = \"1/s\"\nadaptive = { probe_s = 1e300 }")
+                .unwrap();
+        let message = format!("{:#}", bad.changes().unwrap_err());
+        assert!(message.contains("--probe"), "{message}");
         let bad: Baseline = toml::from_str("[routes.email]\nrate = \"1/s\"\nweight = 2").unwrap();
         assert!(format!("{:#}", bad.changes().unwrap_err()).contains("weight apply to tenants"));
     }

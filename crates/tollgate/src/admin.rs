@@ -465,9 +465,14 @@ async fn put_tenant(
         .map(tollgate_core::weight)
         .transpose()
         .map_err(bad_request)?;
+    let concurrency = body
+        .concurrency
+        .map(tollgate_core::concurrency)
+        .transpose()
+        .map_err(bad_request)?;
     let change = Change::SetQuota {
         quota,
-        concurrency: body.concurrency,
+        concurrency,
         weight,
         adaptive: body.adaptive(quota)?,
     };

@@ -139,8 +139,9 @@ pub enum QuotaCommand {
         rate: Option<String>,
         #[arg(long, default_value_t = 1)]
         burst: u32,
-        /// Most provider calls of this tenant in flight across the fleet.
-        #[arg(long)]
+        /// Most provider calls of this tenant in flight across the fleet (at
+        /// least 1; left out, no limit).
+        #[arg(long, value_parser = parse_concurrency)]
         concurrency: Option<u32>,
         /// The tenant's weight on the routes it shares (1 to 1000, default 1):
         /// a route's capacity divides among the tenants with work by weight.
@@ -344,12 +345,18 @@ pub fn build_jobs(args: &PublishArgs, now: UnixMillis) -> anyhow::Result<Vec<Job
     let tenant = TenantId::parse(args.tenant.as_str()).context("--tenant")?;
     let kind = Kind::parse(args.kind.as_str()).context("--kind")?;
     let payload = RawValue::from_string(args.payload.clone()).context("--payload is not JSON")?;
+    // Checked here as the consumer checks them: a job published with an
+    // instant past 2200 would only be dead-lettered as malformed.
     let due_at = match (&args.due_in, &args.due_at) {
-        (Some(d), _) => Some(now.saturating_add(*d)),
+        (Some(d), _) => Some(now.saturating_add(*d).in_job_range().context("--due-in")?),
         (None, Some(at)) => Some(UnixMillis::parse_rfc3339(at).context("--due-at")?),
         (None, None) => None,
     };
-    let expires_at = args.expires_in.map(|d| now.saturating_add(d));
+    let expires_at = args
+        .expires_in
+        .map(|d| now.saturating_add(d).in_job_range())
+        .transpose()
+        .context("--expires-in")?;
     if args.id.is_some() && args.count != 1 {
         bail!("--id needs --count 1 (job ids are unique)");
     }
@@ -565,10 +572,17 @@ fn parse_priority(s: &str) -> Result<Priority, String> {
 
 /// Parses `--weight` (1 to 1000).
 fn parse_weight(s: &str) -> Result<u32, String> {
-    let w: u32 = s
-        .parse()
-        .map_err(|_| format!("{s:?} is not a whole number"))?;
-    tollgate_core::weight(w).map_err(|e| e.to_string())
+    tollgate_core::weight(whole_number(s)?).map_err(|e| e.to_string())
+}
+
+fn whole_number(s: &str) -> Result<u32, String> {
+    s.parse()
+        .map_err(|_| format!("{s:?} is not a whole number"))
+}
+
+/// Parses `--concurrency` (at least 1).
+fn parse_concurrency(s: &str) -> Result<u32, String> {
+    tollgate_core::concurrency(whole_number(s)?).map_err(|e| e.to_string())
 }
 
 /// Parses `--rate` and `--burst` into a quota.
@@ -1130,4 +1144,38 @@ fn confirm(question: &str, expected: &str) -> anyhow::Result<bool> {
     let mut answer = String::new();
     std::io::stdin().lock().read_line(&mut answer)?;
     Ok(answer.trim() == expected)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The consumer dead-letters a job whose instants lie past 2200 as
+    /// malformed; `publish` refuses it up front instead of publishing it.
+    #[test]
+    fn publish_refuses_an_instant_the_consumer_would_not_accept() {
+        let now = UnixMillis(1_796_115_600_000);
+        let in_300_years = Duration::from_secs(300 * 366 * 24 * 3600);
+        let far = PublishArgs {
+            due_in: Some(in_300_years),
+            ..PublishArgs::new("acme", 1)
+        };
+        let refused = format!("{:#}", build_jobs(&far, now).unwrap_err());
+        assert!(refused.starts_with("--due-in: year"), "{refused}");
+        let far = PublishArgs {
+            expires_in: Some(in_300_years),
+            ..PublishArgs::new("acme", 1)
+        };
+        let refused = format!("{:#}", build_jobs(&far, now).unwrap_err());
+        assert!(refused.starts_with("--expires-in: year"), "{refused}");
+        let near = PublishArgs {
+            due_in: Some(Duration::from_secs(3600)),
+            ..PublishArgs::new("acme", 1)
+        };
+        let jobs = build_jobs(&near, now).unwrap();
+        assert_eq!(
+            jobs[0].due_at,
+            Some(now.saturating_add(Duration::from_secs(3600)))
+        );
+    }
 }
