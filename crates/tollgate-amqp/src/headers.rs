@@ -128,7 +128,18 @@ pub fn read_progress(headers: Option<&FieldTable>) -> Result<Progress, Malformed
         })?,
         first_seen: int(h, FIRST_SEEN_MS)?.map(UnixMillis),
         quota_wait: Duration::from_millis(int(h, QUOTA_WAIT_MS)?.unwrap_or(0) as u64),
-        not_before: int(h, NOT_BEFORE_MS)?.map(UnixMillis),
+        // Checked like a job's own instants: a copy must not be parked
+        // past 2200 by a header it carries.
+        not_before: int(h, NOT_BEFORE_MS)?
+            .map(|ms| {
+                UnixMillis(ms)
+                    .in_job_range()
+                    .map_err(|e| Malformed::Header {
+                        name: NOT_BEFORE_MS,
+                        reason: e.to_string(),
+                    })
+            })
+            .transpose()?,
         park_reason,
         enqueued_at: int(h, ENQUEUED_MS)?.map(UnixMillis),
         slot_interval: int(h, SLOT_INTERVAL_US)?.map(|us| Duration::from_micros(us as u64)),
@@ -210,7 +221,7 @@ mod tests {
             attempt: 2,
             first_seen: Some(UnixMillis(1_000)),
             quota_wait: Duration::from_millis(1_500),
-            not_before: Some(UnixMillis(9_000)),
+            not_before: Some(UnixMillis(1_796_115_609_000)),
             park_reason: Some(ParkReason::Throttled),
             enqueued_at: Some(UnixMillis(8_000)),
             slot_interval: Some(Duration::from_micros(50_000)),
@@ -221,6 +232,19 @@ mod tests {
         let mut headers = FieldTable::default();
         write_progress(&mut headers, &progress);
         assert_eq!(read_progress(Some(&headers)).unwrap(), progress);
+    }
+
+    #[test]
+    fn a_not_before_past_2200_is_malformed() {
+        let mut headers = FieldTable::default();
+        headers.insert(NOT_BEFORE_MS.into(), AMQPValue::LongLongInt(i64::MAX));
+        assert!(matches!(
+            read_progress(Some(&headers)),
+            Err(Malformed::Header {
+                name: NOT_BEFORE_MS,
+                ..
+            })
+        ));
     }
 
     #[test]

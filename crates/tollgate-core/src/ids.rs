@@ -14,6 +14,11 @@ pub enum IdError {
         len: usize,
         max: usize,
     },
+    #[error(
+        "{what} starts or ends with whitespace, which HTTP drops from a header value: \
+         the provider would see another {what}"
+    )]
+    Padded { what: &'static str },
     #[error("{what} contains {found:?}; allowed: {allowed}")]
     BadChar {
         what: &'static str,
@@ -31,6 +36,9 @@ fn check(
 ) -> Result<(), IdError> {
     if s.is_empty() {
         return Err(IdError::Empty { what });
+    }
+    if s.starts_with(char::is_whitespace) || s.ends_with(char::is_whitespace) {
+        return Err(IdError::Padded { what });
     }
     let len = s.chars().count();
     if len > max {
@@ -153,5 +161,25 @@ mod tests {
         assert!(JobId::parse("job-1 ünïcode").is_ok());
         assert!(JobId::parse("job\u{0}").is_err());
         assert!(JobId::parse("j".repeat(129)).is_err());
+    }
+
+    /// A provider reads `Idempotency-Key: dup-1 ` as `dup-1` (HTTP drops a
+    /// header value's outer whitespace), and `"   "` as no key at all.
+    #[test]
+    fn ids_and_keys_with_outer_whitespace_are_refused() {
+        for padded in ["   ", " dup-1", "dup-1 ", "dup-1\u{a0}", "\tx"] {
+            assert_eq!(
+                IdempotencyKey::parse(padded),
+                Err(IdError::Padded {
+                    what: "idempotency_key"
+                }),
+                "{padded:?}"
+            );
+            assert!(JobId::parse(padded).is_err(), "{padded:?}");
+        }
+        assert!(
+            IdempotencyKey::parse("dup 1").is_ok(),
+            "inner spaces are kept"
+        );
     }
 }

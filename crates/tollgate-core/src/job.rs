@@ -115,8 +115,20 @@ struct Wire<'a> {
     idempotency_key: Option<std::borrow::Cow<'a, str>>,
     #[serde(default, borrow, skip_serializing_if = "Option::is_none")]
     priority: Option<std::borrow::Cow<'a, str>>,
-    #[serde(default, borrow, skip_serializing_if = "Option::is_none")]
+    /// Absent: `{}`. Present, even `null`, it is forwarded as written.
+    #[serde(
+        default,
+        borrow,
+        deserialize_with = "present",
+        skip_serializing_if = "Option::is_none"
+    )]
     payload: Option<&'a RawValue>,
+}
+
+/// A field that is there, whatever its value: `null` too (serde's `Option`
+/// would read `null` as absent).
+fn present<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<&'de RawValue>, D::Error> {
+    <&RawValue as Deserialize>::deserialize(d).map(Some)
 }
 
 /// Decodes and validates a message body into a [`Job`].
@@ -293,6 +305,9 @@ mod tests {
         assert_eq!(job.payload.get(), "{}");
         assert_eq!(job.due_at, None);
         assert_eq!(job.priority, Priority::Normal);
+        // Forwarded as written: `null` is a payload, not a missing one.
+        let job = decode(br#"{"id":"j1","tenant":"acme","payload":null}"#, &limits()).unwrap();
+        assert_eq!(job.payload.get(), "null");
     }
 
     #[test]

@@ -265,7 +265,7 @@ impl JobRun {
     /// The attempt number of the next provider call (1-based), as sent in
     /// `X-Tollgate-Attempt`.
     pub fn attempt(&self) -> u32 {
-        self.progress.attempt + 1
+        self.progress.attempt.saturating_add(1)
     }
 
     /// The first step, and the step after every [`Action::Hold`] and
@@ -437,7 +437,7 @@ impl JobRun {
                 ParkReason::Throttled,
             ),
             ProviderOutcome::Failed => {
-                self.progress.attempt += 1;
+                self.progress.attempt = self.progress.attempt.saturating_add(1);
                 let failures = self.progress.attempt;
                 if failures >= policy.max_attempts {
                     return Action::DeadLetter {

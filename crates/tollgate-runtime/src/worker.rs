@@ -769,7 +769,9 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
             delivery
                 .properties
                 .timestamp()
-                .map(|s| UnixMillis(s as i64 * 1000))
+                // A producer's seconds; nonsense (nanoseconds) is no age.
+                .and_then(|s| i64::try_from(s).ok()?.checked_mul(1000))
+                .map(UnixMillis)
         }) {
             self.metrics.queue_age(&tenant, entered.until(now));
         }
@@ -777,7 +779,7 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
             "job",
             job_id = %job.id,
             tenant_id = %job.tenant,
-            attempt = progress.attempt + 1,
+            attempt = progress.attempt.saturating_add(1),
         );
         self.drive(
             broker,
