@@ -1390,6 +1390,79 @@ fn a_completion_frees_its_place_under_the_concurrency_limit() {
     });
 }
 
+/// A call that timed out here may still be running at the provider: its
+/// lease and its concurrency place stay until the lease expires, so neither
+/// the job's own retry (same lease token) nor another copy of its key calls
+/// meanwhile. A call that failed outright frees both at once.
+#[test]
+fn a_call_that_timed_out_keeps_its_key_and_its_place_until_its_lease_ends() {
+    runtime().block_on(async {
+        let (permits, quotas) = stores(Quota::new("1000/s".parse().unwrap(), 10).unwrap());
+        let tenant = TenantId::parse("slow").unwrap();
+        let change = tollgate_quota::Change::SetQuota {
+            quota: Quota::new("1000/s".parse().unwrap(), 10).unwrap(),
+            concurrency: Some(2),
+            weight: None,
+            adaptive: None,
+        };
+        let target = tollgate_quota::Target::Tenant(tenant.clone());
+        quotas.apply(&target, change, &test_actor()).await.unwrap();
+        let route = Kind::default_kind();
+        let ids: Vec<JobId> = (0..3)
+            .map(|i| JobId::parse(format!("j{i}")).unwrap())
+            .collect();
+        let keys: Vec<IdempotencyKey> = ids.iter().map(IdempotencyKey::from).collect();
+        // A token per attempt, as workers make them: the in-flight set
+        // counts tokens.
+        let tokens = ["a0", "a1", "a2"];
+        let req = |i: usize| PermitRequest {
+            lease_token: tokens[i],
+            ..request(&tenant, &route, &ids[i], &keys[i])
+        };
+        let decide = |req| decision_at(&permits, req, T0);
+
+        assert!(matches!(
+            decide(req(0)).await,
+            PermitDecision::Granted { .. }
+        ));
+        permits
+            .record(req(0), PermitUse::Unanswered, None, Some(T0))
+            .await
+            .unwrap();
+        assert!(
+            matches!(decide(req(0)).await, PermitDecision::InFlight { .. }),
+            "the job's own retry waits for the lease"
+        );
+        let copy = PermitRequest {
+            lease_token: "another copy",
+            ..req(0)
+        };
+        assert!(matches!(
+            decide(copy).await,
+            PermitDecision::InFlight { .. }
+        ));
+        assert!(matches!(
+            decide(req(1)).await,
+            PermitDecision::Granted { .. }
+        ));
+        assert!(
+            matches!(decide(req(2)).await, PermitDecision::AtConcurrency { .. }),
+            "the unanswered call still counts under the limit of 2"
+        );
+
+        // Failed outright: the key and the place are free at once.
+        permits
+            .record(req(1), PermitUse::CallFailed, None, Some(T0))
+            .await
+            .unwrap();
+        assert!(matches!(
+            decide(req(1)).await,
+            PermitDecision::Granted { .. }
+        ));
+        quotas.purge_prefix().await.unwrap();
+    });
+}
+
 /// A decision at `now` (µs).
 async fn decision_at(permits: &RedisPermits, req: PermitRequest<'_>, now: u64) -> PermitDecision {
     match permits.decide(req, 1, Some(now)).await.unwrap() {

@@ -66,6 +66,11 @@ pub enum PermitUse {
     Sent,
     /// The provider was called and did not accept (a 429, an error).
     CallFailed,
+    /// The call timed out here: the provider may still be working on it.
+    /// Its lease is kept until it expires, so no copy with the same key
+    /// (this job's own retry included) calls meanwhile, and a provider that
+    /// answers "key in use" (409) to an overlap never sees one.
+    Unanswered,
     /// Released without a call (shutting down, or held back by a 429 this
     /// pod saw after the permit was reserved): nothing to count.
     Unused,

@@ -1163,6 +1163,7 @@ impl RedisPermits {
             match used {
                 PermitUse::Sent => "1",
                 PermitUse::CallFailed => "0",
+                PermitUse::Unanswered => "u",
                 PermitUse::Unused => "",
             }
             .to_owned(),

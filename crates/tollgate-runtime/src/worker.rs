@@ -24,7 +24,7 @@ use tollgate_amqp::headers;
 use tollgate_amqp::lapin::message::Delivery;
 use tollgate_amqp::{Acks, Broker, ConsumerControl, Consumption, Nodes, Source, Topology};
 use tollgate_core::job::{Limits, decode};
-use tollgate_core::outcome::classify;
+use tollgate_core::outcome::{ProviderResponse, classify};
 use tollgate_core::ports::{
     Decided, Learned, Penalty, PermitRequest, PermitStore, PermitUse, Provider, ProviderCall,
 };
@@ -1063,10 +1063,10 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
                         }
                         _ => None,
                     };
-                    let used = if sent {
-                        PermitUse::Sent
-                    } else {
-                        PermitUse::CallFailed
+                    let used = match response {
+                        _ if sent => PermitUse::Sent,
+                        ProviderResponse::Timeout => PermitUse::Unanswered,
+                        _ => PermitUse::CallFailed,
                     };
                     self.tally.call(&job.tenant, &outcome, due_lag);
                     self.complete_permit(request, used, penalty).await;

@@ -14,8 +14,9 @@
 --
 -- Keys (9): sent record, lease, tenant in-flight zset, tenant penalty,
 -- route penalty, tenant quota, tenant adapt, route quota, route adapt.
--- Arguments (7): lease token, '1' if sent ('0' the call failed, '' no call
--- was made: the permit is released unused), record ttl ms, job id, penalty
+-- Arguments (7): lease token, '1' if sent ('0' the call failed, 'u' it timed
+-- out unanswered, '' no call was made: the permit is released unused),
+-- record ttl ms, job id, penalty
 -- microseconds ('0' = none, else a 429), "now" override in microseconds
 -- (tests only; "" = Redis TIME), whom the penalty pauses ("tenant",
 -- "route", or "elsewhere": the route, from its own slot).
@@ -32,13 +33,21 @@ local function complete(k, a)
   -- What this attempt's permit did (`lease_parts`); nil: not known (its
   -- lease expired or went to another attempt), so everything is done.
   local holder, marks = lease_parts(redis.call('GET', k[2]))
+  local unanswered = a[2] == 'u'
   if holder == a[1] then
-    redis.call('DEL', k[2])
+    if unanswered then
+      -- The provider may still be working on the call: the lease (and the
+      -- concurrency slot) stay until they expire, marked 'x' so that this
+      -- job's own token is kept out too (`permit.lua`).
+      redis.call('SET', k[2], holder .. '/' .. (marks or '') .. 'x', 'KEEPTTL')
+    else
+      redis.call('DEL', k[2])
+    end
   else
     marks = nil
   end
   local function did(mark) return not marks or string.find(marks, mark, 1, true) ~= nil end
-  if did('c') then redis.call('ZREM', k[3], a[1]) end
+  if did('c') and not unanswered then redis.call('ZREM', k[3], a[1]) end
 
   local penalty = tonumber(a[5])
   -- 'elsewhere': the route's 429s are account-wide and its keys live in

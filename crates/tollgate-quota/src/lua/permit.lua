@@ -155,8 +155,10 @@ local function permit(KEYS, ARGV)
   -- that one MGET reads them all).
   local held = redis.call('MGET', lease_key, tenant_penalty_key, route_penalty_key, tenant_tat_key, route_tat_key,
     tenant_waiting_high_key, tenant_waiting_key, tenant_waiting_low_key, route_share_key)
-  local holder = lease_parts(held[1])
-  if holder and holder ~= lease_token then
+  local holder, lease_marks = lease_parts(held[1])
+  -- Another copy's call, or this job's own that timed out unanswered ('x',
+  -- `complete.lua`): wait for its lease to expire.
+  if holder and (holder ~= lease_token or string.find(lease_marks or '', 'x', 1, true)) then
     local ttl = redis.call('PTTL', lease_key)
     if ttl < 1 then ttl = 1 end
     return {3, ttl * 1000}
