@@ -42,6 +42,18 @@ fn pinned() -> BTreeMap<&'static str, Vec<&'static str>> {
     ])
 }
 
+/// Families exported only once their event happens, which this run does
+/// not force: a permit let go as late (a pod too busy to call within the
+/// leeway, as on a loaded CI box), an adaptive quota's learned rate. Their
+/// labels are pinned all the same when they appear.
+fn when_they_happen() -> BTreeMap<&'static str, Vec<&'static str>> {
+    BTreeMap::from([
+        ("tollgate_late_permits_total", vec!["tenant"]),
+        ("tollgate_quota_effective_rate", vec!["tenant"]),
+        ("tollgate_route_effective_rate", vec!["route"]),
+    ])
+}
+
 /// (family, label name → values) from the text exposition.
 fn parse(text: &str) -> BTreeMap<String, BTreeMap<String, BTreeSet<String>>> {
     let mut out: BTreeMap<String, BTreeMap<String, BTreeSet<String>>> = BTreeMap::new();
@@ -154,8 +166,8 @@ async fn labels_are_pinned_and_payloads_never_leak() {
         .unwrap();
     let families = parse(&text);
 
+    let expected: BTreeMap<_, _> = pinned().into_iter().chain(when_they_happen()).collect();
     for (family, labels) in &families {
-        let expected = pinned();
         let want = expected
             .get(family.as_str())
             .unwrap_or_else(|| panic!("unpinned metric family {family}"));
