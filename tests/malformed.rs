@@ -17,7 +17,7 @@ async fn malformed_messages_are_dead_lettered_and_good_jobs_around_them_are_sent
         r#"{{"id":"big","tenant":"acme","payload":"{}"}}"#,
         "x".repeat(5000)
     );
-    let bad: [(&str, Vec<u8>, &str); 6] = [
+    let bad: [(&str, Vec<u8>, &str); 7] = [
         ("acme", b"this is not json".to_vec(), "not a valid job"),
         ("acme", br#"{"id":"m1"}"#.to_vec(), "missing field `tenant`"),
         (
@@ -35,6 +35,13 @@ async fn malformed_messages_are_dead_lettered_and_good_jobs_around_them_are_sent
             "acme",
             br#"{"id":"m5","tenant":"acme","kind":"fax"}"#.to_vec(),
             "unknown kind",
+        ),
+        // The error quotes the field's name: its escape sequence must not
+        // reach the detail header (nor `dlq list`'s terminal).
+        (
+            "acme",
+            br#"{"id":"m6","tenant":"acme","\u001b[2Jx":1}"#.to_vec(),
+            "unknown field `?[2Jx`",
         ),
     ];
     let mut good = Vec::new();
@@ -62,6 +69,13 @@ async fn malformed_messages_are_dead_lettered_and_good_jobs_around_them_are_sent
         let letter =
             hit.unwrap_or_else(|| panic!("no dead letter says {expected:?}: {letters:#?}"));
         assert_eq!(letter.reason, "malformed");
+    }
+    for letter in &letters {
+        assert!(
+            !letter.detail.chars().any(char::is_control),
+            "{:?}",
+            letter.detail
+        );
     }
     assert_eq!(
         provider.received().len(),

@@ -161,9 +161,10 @@ pub fn classify(response: &ProviderResponse, now: UnixMillis) -> ProviderOutcome
     }
 }
 
-/// A provider-chosen header value made safe for a log line and an AMQP
-/// header: control characters replaced, at most 256 characters.
-fn printable(value: &str) -> String {
+/// A value someone else chose (a provider's header, a producer's field
+/// name quoted in an error) made safe for a log line, an AMQP header and a
+/// terminal: control characters replaced, at most 256 characters.
+pub fn printable(value: &str) -> String {
     value
         .chars()
         .take(256)

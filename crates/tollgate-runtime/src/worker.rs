@@ -820,7 +820,9 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
         now: UnixMillis,
         commitment: &Commitment,
     ) -> Result<Settled, Handback> {
-        let detail = malformed.to_string();
+        // The error may quote the producer's bytes (an unknown field's name):
+        // no escape sequence reaches a header, a log line or a terminal.
+        let detail = tollgate_core::outcome::printable(&malformed.to_string());
         self.publish_durably(broker, commitment.shield(), "a dead letter", || {
             broker.dead_letter(delivery, None, DeadReason::Malformed, &detail, now)
         })

@@ -1084,19 +1084,28 @@ pub async fn dlq(config: &Config, command: &DlqCommand) -> anyhow::Result<()> {
             if !summary.newest.is_empty() {
                 println!("\nnewest {}:", limit.min(&summary.newest.len()));
             }
+            // Letters carry what producers wrote (and letters from before
+            // the worker cleaned its details): nothing reaches the terminal
+            // as an escape sequence.
+            let shown = tollgate_core::outcome::printable;
             for l in summary.newest.iter().take(*limit) {
                 println!(
                     "{}  {:<10} {:<20} {:<40} {}",
                     l.dead_at
                         .map(|t| t.to_string())
                         .unwrap_or_else(|| "?".into()),
-                    l.reason,
+                    shown(&l.reason),
                     l.tenant,
-                    l.job_id,
-                    l.detail
+                    shown(&l.job_id),
+                    shown(&l.detail)
                 );
                 if *show_payload {
-                    println!("    payload: {}", l.payload);
+                    let payload: String = l
+                        .payload
+                        .chars()
+                        .map(|c| if c.is_control() { '?' } else { c })
+                        .collect();
+                    println!("    payload: {payload}");
                 }
             }
         }
