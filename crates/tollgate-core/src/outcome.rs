@@ -165,9 +165,15 @@ pub fn classify(response: &ProviderResponse, now: UnixMillis) -> ProviderOutcome
 /// name quoted in an error) made safe for a log line, an AMQP header and a
 /// terminal: control characters replaced, at most 256 characters.
 pub fn printable(value: &str) -> String {
+    let capped: String = value.chars().take(256).collect();
+    without_controls(&capped)
+}
+
+/// `value` with each control character replaced by `?`, whole (a payload
+/// shown on a terminal).
+pub fn without_controls(value: &str) -> String {
     value
         .chars()
-        .take(256)
         .map(|c| if c.is_control() { '?' } else { c })
         .collect()
 }

@@ -1100,11 +1100,7 @@ pub async fn dlq(config: &Config, command: &DlqCommand) -> anyhow::Result<()> {
                     shown(&l.detail)
                 );
                 if *show_payload {
-                    let payload: String = l
-                        .payload
-                        .chars()
-                        .map(|c| if c.is_control() { '?' } else { c })
-                        .collect();
+                    let payload = tollgate_core::outcome::without_controls(&l.payload);
                     println!("    payload: {payload}");
                 }
             }
