@@ -480,7 +480,7 @@ async fn an_operator_replays_and_purges_dead_letters_with_a_confirmation() {
     let browser = Browser::start().await;
     browser.goto(&format!("http://{addr}/console/")).await;
     browser.fill("#login-token", TOKEN).await;
-    browser.fill("#login-actor", "bob").await;
+    browser.fill("#login-actor", "Bob Ødegård 王").await;
     browser.click("#login-form button[type=submit]").await;
     browser.click("#dlq-refresh").await;
     let counts = browser.until_text("#dlq-counts tbody", "globex").await;
@@ -547,7 +547,10 @@ async fn an_operator_replays_and_purges_dead_letters_with_a_confirmation() {
         .collect();
     assert_eq!(
         actions,
-        [("purge", "console:bob"), ("replay", "console:bob")],
+        [
+            ("purge", "console:Bob Ødegård 王"),
+            ("replay", "console:Bob Ødegård 王")
+        ],
         "newest first"
     );
     browser.quit().await;

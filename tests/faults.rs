@@ -374,7 +374,9 @@ async fn dlq_replay_sends_replayed_jobs_once_and_purge_empties_it() {
         out.starts_with("replayed 0 dead letter(s); 10 left"),
         "{out}"
     );
-    let out = cli(&["dlq", "replay", "--reason", "rejected", "--tenant", "fixme"]);
+    let out = cli(&[
+        "dlq", "replay", "--reason", "rejected", "--tenant", "fixme", "--actor", "dana",
+    ]);
     assert!(
         out.starts_with("replayed 10 dead letter(s); 0 left"),
         "{out}"
@@ -419,9 +421,35 @@ async fn dlq_replay_sends_replayed_jobs_once_and_purge_empties_it() {
     assert!(!refused.status.success());
     assert!(String::from_utf8_lossy(&refused.stderr).contains("pass --yes"));
     assert_eq!(env.dead_letters().await.len(), 1);
-    let out = cli(&["dlq", "purge", "--yes"]);
+    let out = cli(&["dlq", "purge", "--yes", "--actor", "dana"]);
     assert!(out.starts_with("purged 1 dead letter(s)"), "{out}");
     assert!(env.dead_letters().await.is_empty());
+
+    // Each replay and the purge is in the audit stream, as the API's are.
+    let audit = env.quotas.history(None, 10).await.unwrap();
+    let dlq: Vec<_> = audit
+        .iter()
+        .filter(|e| e.target == "dlq")
+        .map(|e| {
+            (
+                e.action.as_str(),
+                e.who.as_str(),
+                e.detail.as_deref().unwrap_or(""),
+            )
+        })
+        .collect();
+    assert_eq!(dlq.len(), 3, "{dlq:?}");
+    assert_eq!(dlq[0], ("purge", "cli:dana", "purged 1"));
+    assert_eq!(
+        dlq[1],
+        (
+            "replay",
+            "cli:dana",
+            "replayed 10 (reason rejected, tenant fixme); 0 left"
+        )
+    );
+    assert_eq!(dlq[2].0, "replay");
+    assert!(dlq[2].1.starts_with("cli:"), "{dlq:?}");
     worker.stop().await.unwrap();
     env.cleanup().await;
 }
@@ -975,12 +1003,13 @@ async fn dead_letter_reads_and_purges_at_once_each_see_the_whole_queue() {
         assert_eq!(seen, published, "every letter read");
     }
 
+    let actor = tollgate::cli::cli_actor(None).unwrap();
     let (read, purged) = tokio::join!(
         tollgate::cli::dlq_summary(&env.config, 10_000),
-        tollgate::cli::dlq_purge(&env.config, |_, _| Ok(true)),
+        tollgate::cli::dlq_purge(&env.config, |_, _| Ok(true), &actor),
     );
     let read: usize = read.unwrap().counts.values().sum();
-    let purged = purged.unwrap() as usize;
+    let purged = purged.unwrap().purged as usize;
     assert!(
         read == LETTERS || read == 0,
         "the read ran wholly before or after the purge: {read}"
@@ -990,5 +1019,93 @@ async fn dead_letter_reads_and_purges_at_once_each_see_the_whole_queue() {
         env.dead_letters().await.is_empty(),
         "nothing the read held survived the purge"
     );
+    env.cleanup().await;
+}
+
+/// A dead-letter read or replay through the admin API that outlived its
+/// request was dropped midway when the server answered 408: the letters
+/// already copied were then there twice, the installation's dead-letter
+/// lock stayed held for its 30 s (so the next read failed as "busy"), and
+/// the replay went unaudited. Each now runs to its end on a task of its
+/// own, and the API answers, in JSON, before the request times out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letter_read_or_replay_outliving_its_request_runs_to_its_end() {
+    const LETTERS: usize = 2000;
+    const TOKEN: &str = "a-token-of-twenty-bytes";
+    let env = TestEnv::new_with("http://127.0.0.1:9/unused", |c| {
+        c.http_request_timeout_ms = 100;
+    })
+    .await;
+    let dead_letter_exchange = env.broker.topology().dead_letter_exchange();
+    let published: HashSet<String> = (0..LETTERS).map(|i| format!("dead-{i}")).collect();
+    let (broker, exchange) = (&env.broker, &dead_letter_exchange);
+    futures::future::join_all(published.iter().map(|id| async move {
+        let mut headers = tollgate_amqp::lapin::types::FieldTable::default();
+        tollgate_amqp::headers::set_text(&mut headers, tollgate_amqp::headers::REASON, "rejected");
+        let body = format!(r#"{{"id":"{id}","tenant":"acme"}}"#);
+        let props = tollgate_amqp::job_properties().with_headers(headers);
+        broker
+            .publish(exchange, "acme", body.as_bytes(), props)
+            .await
+            .unwrap();
+    }))
+    .await;
+    let addr = env.serve_admin(TOKEN).await;
+    let http = reqwest::Client::new();
+
+    let read = http
+        .get(format!("http://{addr}/v1/dlq?limit=1"))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap();
+    let status = read.status();
+    let body: serde_json::Value = read.json().await.expect("a JSON answer, not an empty 408");
+    assert!(status == 200 || status == 503, "{status}: {body}");
+    // The next read waits for the one the API started, then sees the queue
+    // as it was: every letter, once.
+    let letters = env.dead_letters().await;
+    assert_eq!(letters.len(), LETTERS, "no letter twice, none lost");
+    let seen: HashSet<String> = letters.into_iter().map(|l| l.job_id).collect();
+    assert_eq!(seen, published);
+
+    let mut actor = reqwest::header::HeaderMap::new();
+    let name = reqwest::header::HeaderValue::from_bytes("José".as_bytes()).unwrap();
+    actor.insert("x-tollgate-actor", name);
+    let replay = http
+        .post(format!("http://{addr}/v1/dlq/replay"))
+        .bearer_auth(TOKEN)
+        .headers(actor)
+        .json(&serde_json::json!({"reason": "rejected"}))
+        .send()
+        .await
+        .unwrap();
+    let status = replay.status();
+    let body: serde_json::Value = replay
+        .json()
+        .await
+        .expect("a JSON answer, not an empty 408");
+    assert!(status == 200 || status == 202, "{status}: {body}");
+    wait_for(
+        "the replay's audit entry",
+        Duration::from_secs(60),
+        || async {
+            let audit = env.quotas.history(None, 10).await.unwrap();
+            audit.iter().any(|e| e.target == "dlq")
+        },
+    )
+    .await;
+    let audit = env.quotas.history(None, 10).await.unwrap();
+    let entry = audit.iter().find(|e| e.target == "dlq").unwrap();
+    assert_eq!(
+        (entry.action.as_str(), entry.who.as_str()),
+        ("replay", "api:José")
+    );
+    assert_eq!(
+        entry.detail.as_deref(),
+        Some("replayed 2000 (reason rejected, tenant any); 0 left")
+    );
+    assert_eq!(env.pending().await as usize, LETTERS, "each replayed once");
+    assert!(env.dead_letters().await.is_empty());
     env.cleanup().await;
 }

@@ -680,6 +680,60 @@ async fn the_admin_api_needs_the_right_token() {
         .unwrap();
     assert_eq!(bad.status(), 400);
 
+    // A body or query axum cannot read, and an actor that cannot be
+    // recorded as sent, get the same 400 with {"error"} as any bad input
+    // (they were a plain-text 415 / 422, and a 200 recorded as `unknown`).
+    let body_of = |body: &'static str, content_type: &'static str| {
+        http.put(url("/v1/tenants/acme/quota"))
+            .bearer_auth("right-token-0123456789")
+            .header("content-type", content_type)
+            .body(body)
+            .send()
+    };
+    let as_actor = |name: &str| {
+        http.put(url("/v1/tenants/acme/quota"))
+            .bearer_auth("right-token-0123456789")
+            .header("x-tollgate-actor", name)
+            .json(&serde_json::json!({"rate": "1/s"}))
+            .send()
+    };
+    let long_name = "n".repeat(65);
+    let refusals = [
+        (
+            "unfinished JSON",
+            body_of(r#"{"rate":"#, "application/json").await,
+        ),
+        (
+            "no content type",
+            body_of(r#"{"rate":"1/s"}"#, "text/plain").await,
+        ),
+        (
+            "unknown field",
+            body_of(r#"{"rat":"1/s"}"#, "application/json").await,
+        ),
+        (
+            "bad query",
+            http.get(url("/v1/history?limit=lots"))
+                .bearer_auth("right-token-0123456789")
+                .send()
+                .await,
+        ),
+        ("blank actor", as_actor("   ").await),
+        ("long actor", as_actor(&long_name).await),
+        ("actor with a tab", as_actor("a\tb").await),
+    ];
+    for (what, refused) in refusals {
+        let refused = refused.unwrap();
+        assert_eq!(refused.status(), 400, "{what}");
+        let body: serde_json::Value = refused.json().await.expect("a JSON error");
+        assert!(
+            body["error"].as_str().is_some_and(|e| !e.is_empty()),
+            "{what}: {body}"
+        );
+    }
+    let stored = env.quotas.get(&tenant("acme")).await.unwrap().unwrap();
+    assert_eq!(stored.quota, Some(quota("20/s", 2)), "nothing changed");
+
     // A weight: alone (the quota stays), audited; out of range or on a
     // route, a clear 400 and nothing changes.
     let put_weight = |path: &'static str, body: serde_json::Value| {
@@ -1103,5 +1157,48 @@ async fn a_baseline_mark_kept_in_the_older_hash_still_counts() {
         .map(|(t, _)| t.to_string())
         .collect();
     assert_eq!(listed, vec!["acme".to_string()]);
+    env.cleanup().await;
+}
+
+/// The history is read a page at a time from the newest entry: a target's
+/// entries are found however many others came after them, in order, and
+/// the answer stops at the limit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_targets_history_is_found_under_thousands_of_newer_entries() {
+    let set_rate = |rate: u32| Change::SetQuota {
+        quota: quota(&format!("{rate}/s"), 1),
+        concurrency: None,
+        weight: None,
+        adaptive: None,
+    };
+    let env = TestEnv::new("http://127.0.0.1:9/unused").await;
+    for rate in 1..=3 {
+        env.change(tenant("quiet"), set_rate(rate)).await;
+    }
+    for rate in 1..=2500 {
+        env.change(tenant("busy"), set_rate(rate)).await;
+    }
+
+    let rates = |entries: Vec<tollgate_quota::AuditEntry>| -> Vec<String> {
+        entries
+            .iter()
+            .map(|e| e.new.quota.unwrap().rate.to_string())
+            .collect()
+    };
+    let quiet = env
+        .quotas
+        .history(Some(&tenant("quiet")), 10)
+        .await
+        .unwrap();
+    assert_eq!(
+        rates(quiet),
+        ["3/s", "2/s", "1/s"],
+        "newest first, all of them"
+    );
+    let busy = env.quotas.history(Some(&tenant("busy")), 2).await.unwrap();
+    assert_eq!(rates(busy), ["2500/s", "2499/s"]);
+    assert_eq!(env.quotas.history(None, 5).await.unwrap().len(), 5);
+    let everything = env.quotas.history(None, 10_000).await.unwrap();
+    assert_eq!(everything.len(), 2503, "the whole stream, once");
     env.cleanup().await;
 }

@@ -511,32 +511,46 @@ impl Broker {
     /// dropped) is published to the back of the dead queue and confirmed,
     /// then the original is acked. Reading the whole queue keeps its order.
     pub async fn peek_dead_letters(&self, limit: usize) -> Result<Vec<Delivery>, AmqpError> {
-        self.sweep_dead_letters(limit, true, |_| Sweep::Keep).await
+        Ok(self
+            .sweep_dead_letters(limit, true, |_| Sweep::Keep)
+            .await?
+            .taken)
     }
 
     /// Moves dead letters back to the jobs exchange: every message of the
     /// DLQ for which `select` is true (at most `limit`) is republished with
     /// its body (so its idempotency key) unchanged and tollgate's progress
     /// headers removed (attempts start again), confirmed, then acked; the
-    /// others are kept, unworn (see [`Broker::peek_dead_letters`]).
-    /// Returns (replayed, left).
+    /// others are kept, unworn (see [`Broker::peek_dead_letters`]). The
+    /// sweep stops at the `limit`th letter replayed: the letters it kept
+    /// before then are behind those it did not reach. Returns (replayed,
+    /// left).
     pub async fn replay_dead_letters(
         &self,
         select: impl Fn(&Delivery) -> bool,
         limit: usize,
     ) -> Result<(usize, usize), AmqpError> {
-        let (mut replayed, mut left) = (0, 0);
-        self.sweep_dead_letters(usize::MAX, false, |delivery| {
-            if replayed < limit && select(delivery) {
-                replayed += 1;
-                Sweep::Replay
-            } else {
-                left += 1;
-                Sweep::Keep
-            }
-        })
-        .await?;
-        Ok((replayed, left))
+        if limit == 0 {
+            let queue = self.topology.dead_queue();
+            return Ok((0, self.queue_depth(&queue).await? as usize));
+        }
+        let (mut replayed, mut kept) = (0, 0);
+        let swept = self
+            .sweep_dead_letters(usize::MAX, false, |delivery| {
+                if !select(delivery) {
+                    kept += 1;
+                    Sweep::Keep
+                } else {
+                    replayed += 1;
+                    if replayed == limit {
+                        Sweep::ReplayLast
+                    } else {
+                        Sweep::Replay
+                    }
+                }
+            })
+            .await?;
+        Ok((replayed, kept + swept.unvisited))
     }
 
     /// Takes up to `limit` of the dead letters present when it starts, one
@@ -544,20 +558,30 @@ impl Broker {
     /// queue (keep) or to the jobs exchange (replay), acking the original
     /// only once its copy is confirmed. A failure leaves the letter where
     /// it was (handed back); at worst a crash between confirm and ack
-    /// leaves one letter twice, never none. Returns the letters taken when
-    /// `collect`.
+    /// leaves one letter twice, never none. Callers run it to its end: one
+    /// dropped midway leaves its letter unacked on a channel that stays
+    /// open until the connection closes, and the letter is then there
+    /// twice.
+    ///
+    /// One letter at a time, copies confirmed one by one, is slow (about a
+    /// thousand letters a second) but keeps every ack followed by a round
+    /// trip. Confirming copies a batch at a time, then acking the batch
+    /// just before the channel closed, left some letters twice: a quorum
+    /// queue (RabbitMQ 3.10) holds back settlements when many are pending,
+    /// and drops those still held when the channel closes.
     async fn sweep_dead_letters(
         &self,
         limit: usize,
         collect: bool,
         mut decide: impl FnMut(&Delivery) -> Sweep,
-    ) -> Result<Vec<Delivery>, AmqpError> {
+    ) -> Result<Swept, AmqpError> {
         let queue = self.topology.dead_queue();
         let present = self.queue_depth(&queue).await? as usize;
         let channel = self.open_channel().await?;
+        let mut unvisited = present.min(limit);
         let result = async {
             let mut taken = Vec::new();
-            for _ in 0..present.min(limit) {
+            while unvisited > 0 {
                 let Some(msg) = bounded("a basic.get", async {
                     channel
                         .basic_get(queue.as_str().into(), BasicGetOptions { no_ack: false })
@@ -566,18 +590,24 @@ impl Broker {
                 })
                 .await?
                 else {
+                    unvisited = 0;
                     break;
                 };
+                unvisited -= 1;
                 let delivery = msg.delivery;
                 let mut headers = delivery.properties.headers().clone().unwrap_or_default();
-                let exchange = match decide(&delivery) {
+                let sweep = decide(&delivery);
+                if matches!(sweep, Sweep::ReplayLast) {
+                    unvisited = 0;
+                }
+                let exchange = match sweep {
                     // The delivery count goes: the copy starts unworn.
                     Sweep::Keep => {
                         headers = headers::without(headers, headers::RABBITMQ_DELIVERY_COUNT);
                         self.topology.dead_letter_exchange()
                     }
                     // Attempts start again.
-                    Sweep::Replay => {
+                    Sweep::Replay | Sweep::ReplayLast => {
                         let rabbitmq = ["x-death", headers::RABBITMQ_DELIVERY_COUNT];
                         for name in headers::ALL.into_iter().chain(rabbitmq) {
                             headers = headers::without(headers, name);
@@ -616,14 +646,17 @@ impl Broker {
                     }
                 }
             }
-            Ok(taken)
+            Ok::<_, AmqpError>(taken)
         }
         .await;
         let _ = bounded("a channel close", async {
             Ok(channel.close(200, "swept".into()).await?)
         })
         .await;
-        result
+        Ok(Swept {
+            taken: result?,
+            unvisited,
+        })
     }
 
     /// Deletes every message of `queue`; returns how many.
@@ -651,6 +684,15 @@ enum Sweep {
     Keep,
     /// To the jobs exchange, attempts starting over.
     Replay,
+    /// Replay, and take no more letters.
+    ReplayLast,
+}
+
+/// What a sweep of the dead queue took, and how many letters present when
+/// it began it did not reach.
+struct Swept {
+    taken: Vec<Delivery>,
+    unvisited: usize,
 }
 
 /// The deliveries of every work queue, merged, and what is needed to stop

@@ -187,6 +187,26 @@ pub struct Actor {
     pub source: &'static str,
 }
 
+impl Actor {
+    /// `source:name`, for a name of 1 to 64 characters, not blank, without
+    /// control characters; else why not.
+    pub fn named(source: &'static str, name: &str) -> Result<Self, String> {
+        if name.trim().is_empty() || name.chars().count() > 64 || name.chars().any(char::is_control)
+        {
+            return Err(format!(
+                "{name:?} must be 1 to 64 characters, not blank, without control characters"
+            ));
+        }
+        Ok(Self {
+            who: format!("{source}:{name}"),
+            source,
+        })
+    }
+}
+
+/// Audit entries read per round trip when looking for one target's.
+const HISTORY_PAGE: usize = 1000;
+
 /// The quota hash's fields of an adaptive quota (`adapt.lua` reads them).
 const ADAPTIVE: [&str; 6] = [
     "adaptive",
@@ -629,43 +649,62 @@ impl QuotaStore {
         Ok(names)
     }
 
-    /// Newest first; only `target`'s entries when given.
+    /// Newest first; only `target`'s entries when given. Reads the audit
+    /// stream a page at a time from its newest entry and stops at `limit`
+    /// entries: reading all of it (up to 100,000 entries, 127 ms of Redis)
+    /// for every call made the console's polling of a tenant's history
+    /// cost Redis more than the fleet's permits.
     pub async fn history(
         &self,
         target: Option<&Target>,
         limit: usize,
     ) -> Result<Vec<AuditEntry>, QuotaError> {
         let mut conn = self.redis.conn().await?;
-        let raw: redis::streams::StreamRangeReply = conn
-            .xrevrange_count(self.keys.audit(), "+", "-", AUDIT_MAX_LEN as usize)
-            .await
-            .map_err(|e| self.redis.classify(e))?;
         let wanted = target.map(Target::label);
+        // Unfiltered, one page holds the answer; filtered, a page is read
+        // large enough that a busy stream takes few round trips.
+        let page = if wanted.is_some() {
+            limit.clamp(HISTORY_PAGE, AUDIT_MAX_LEN as usize)
+        } else {
+            limit.max(1)
+        };
         let mut out = Vec::new();
-        for entry in raw.ids {
-            let text = |name: &str| entry.get::<String>(name).unwrap_or_default();
-            let label = text("target");
-            if wanted.as_ref().is_some_and(|w| *w != label) {
-                continue;
+        let mut before = "+".to_owned();
+        while out.len() < limit {
+            let raw: redis::streams::StreamRangeReply = conn
+                .xrevrange_count(self.keys.audit(), &before, "-", page)
+                .await
+                .map_err(|e| self.redis.classify(e))?;
+            let read = raw.ids.len();
+            for entry in raw.ids {
+                before = format!("({}", entry.id);
+                let text = |name: &str| entry.get::<String>(name).unwrap_or_default();
+                let label = text("target");
+                if wanted.as_ref().is_some_and(|w| *w != label) {
+                    continue;
+                }
+                let parse = |name: &str| {
+                    serde_json_map(&text(name))
+                        .and_then(|m| Settings::from_fields(&m).ok())
+                        .unwrap_or_default()
+                };
+                let detail = serde_json_map(&text("new"))
+                    .and_then(|m| m.get("detail").or_else(|| m.get("cancelled")).cloned());
+                out.push(AuditEntry {
+                    detail,
+                    at_ms: text("at_ms").parse().unwrap_or(0),
+                    action: text("action"),
+                    who: text("who"),
+                    source: text("source"),
+                    old: parse("old"),
+                    new: parse("new"),
+                    target: label,
+                });
+                if out.len() >= limit {
+                    break;
+                }
             }
-            let parse = |name: &str| {
-                serde_json_map(&text(name))
-                    .and_then(|m| Settings::from_fields(&m).ok())
-                    .unwrap_or_default()
-            };
-            let detail = serde_json_map(&text("new"))
-                .and_then(|m| m.get("detail").or_else(|| m.get("cancelled")).cloned());
-            out.push(AuditEntry {
-                detail,
-                at_ms: text("at_ms").parse().unwrap_or(0),
-                action: text("action"),
-                who: text("who"),
-                source: text("source"),
-                old: parse("old"),
-                new: parse("new"),
-                target: label,
-            });
-            if out.len() >= limit {
+            if read < page {
                 break;
             }
         }
@@ -681,13 +720,11 @@ impl QuotaStore {
         ttl: Duration,
         actor: &Actor,
     ) -> Result<(), QuotaError> {
-        let (key, what) = match by {
-            Cancel::JobId(id) => (self.keys.cancelled_id(tenant, id), format!("job_id {id}")),
-            Cancel::Key(k) => (
-                self.keys.cancelled_key(tenant, k),
-                format!("idempotency_key {k}"),
-            ),
+        let key = match by {
+            Cancel::JobId(id) => self.keys.cancelled_id(tenant, id),
+            Cancel::Key(k) => self.keys.cancelled_key(tenant, k),
         };
+        let what = by.to_string();
         let mut conn = self.redis.conn().await?;
         let at_ms = self.now_ms(&mut conn).await?;
         let mut pipe = redis::pipe();
@@ -891,6 +928,16 @@ pub(crate) fn audit_entry(pipe: &mut redis::Pipeline, keys: &Keys, e: AuditField
 pub enum Cancel {
     JobId(JobId),
     Key(IdempotencyKey),
+}
+
+impl std::fmt::Display for Cancel {
+    /// `job_id 42` or `idempotency_key k-1`, as the audit records it.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Cancel::JobId(id) => write!(f, "job_id {id}"),
+            Cancel::Key(key) => write!(f, "idempotency_key {key}"),
+        }
+    }
 }
 
 fn parse_json(target: &Target, json: &str) -> Result<Settings, QuotaError> {

@@ -11,11 +11,13 @@ use std::time::Duration;
 
 use axum::Json;
 use axum::Router;
-use axum::extract::{DefaultBodyLimit, Path, Query, Request, State};
-use axum::http::{HeaderMap, StatusCode, header};
+use axum::extract::{DefaultBodyLimit, FromRequest, FromRequestParts, Path, Query, Request, State};
+use axum::http::request::Parts;
+use axum::http::{StatusCode, header};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post, put};
+use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 use tollgate_core::Adaptive;
@@ -168,23 +170,62 @@ impl From<tollgate_quota::QuotaError> for ApiError {
 
 type ApiResult = Result<Response, ApiError>;
 
-/// Who made the change: `X-Tollgate-Actor` (for humans behind a tool),
-/// recorded as `api:<actor>`, or `console:<actor>` when the call comes from
-/// the console (`X-Tollgate-Client: console`), which goes through the same
-/// endpoints.
-fn actor(headers: &HeaderMap) -> Actor {
-    let name = headers
-        .get("x-tollgate-actor")
-        .and_then(|v| v.to_str().ok())
-        .filter(|v| !v.is_empty() && v.len() <= 64 && v.chars().all(|c| !c.is_control()))
-        .unwrap_or("unknown");
-    let source = match headers.get("x-tollgate-client").map(|v| v.as_bytes()) {
-        Some(b"console") => "console",
-        _ => "api",
-    };
-    Actor {
-        who: format!("{source}:{name}"),
-        source,
+/// Who makes a change: `X-Tollgate-Actor` (for humans behind a tool; UTF-8,
+/// 1 to 64 characters), recorded as `api:<actor>`, or `console:<actor>` when
+/// the call comes from the console (`X-Tollgate-Client: console`), which
+/// goes through the same endpoints. Without the header, `api:unknown`; a
+/// name that cannot be recorded as sent is refused, not recorded as
+/// `unknown`.
+struct By(Actor);
+
+impl<S: Send + Sync> FromRequestParts<S> for By {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, ApiError> {
+        let source = match parts.headers.get("x-tollgate-client").map(|v| v.as_bytes()) {
+            Some(b"console") => "console",
+            _ => "api",
+        };
+        let name = match parts.headers.get("x-tollgate-actor") {
+            None => "unknown",
+            Some(v) => std::str::from_utf8(v.as_bytes())
+                .map_err(|_| bad_request("X-Tollgate-Actor must be UTF-8"))?,
+        };
+        Actor::named(source, name)
+            .map(By)
+            .map_err(|e| bad_request(format!("X-Tollgate-Actor {e}")))
+    }
+}
+
+/// A JSON body, refused as every other bad input is: 400 (413 when too
+/// large) with `{"error": …}`, not axum's plain-text 415 or 422.
+struct Body<T>(T);
+
+impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for Body<T> {
+    type Rejection = ApiError;
+
+    async fn from_request(request: Request, state: &S) -> Result<Self, ApiError> {
+        match Json::<T>::from_request(request, state).await {
+            Ok(Json(body)) => Ok(Body(body)),
+            Err(e) if e.status() == StatusCode::PAYLOAD_TOO_LARGE => {
+                Err(ApiError(e.status(), e.body_text()))
+            }
+            Err(e) => Err(bad_request(e.body_text())),
+        }
+    }
+}
+
+/// Query parameters, refused like a bad [`Body`].
+struct Params<T>(T);
+
+impl<S: Send + Sync, T: DeserializeOwned> FromRequestParts<S> for Params<T> {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, ApiError> {
+        Query::<T>::from_request_parts(parts, state)
+            .await
+            .map(|Query(q)| Params(q))
+            .map_err(|e| bad_request(e.body_text()))
     }
 }
 
@@ -275,13 +316,8 @@ struct WeightBody {
     weight: u32,
 }
 
-async fn apply(
-    state: &AdminState,
-    target: &Target,
-    change: Change,
-    headers: &HeaderMap,
-) -> ApiResult {
-    let (old, new) = state.store.apply(target, change, &actor(headers)).await?;
+async fn apply(state: &AdminState, target: &Target, change: Change, actor: &Actor) -> ApiResult {
+    let (old, new) = state.store.apply(target, change, actor).await?;
     Ok(Json(json!({
         "target": target.label(),
         "action": change.action(),
@@ -350,7 +386,7 @@ struct PageQuery {
 /// The console's tenant list: one page of the tenants with a stored quota
 /// or recent traffic, by name or most behind first, filtered by prefix, each with what it is
 /// doing fleet-wide ([`tollgate_quota::Activity`]) and why it waits.
-async fn tenant_page(State(state): State<AdminState>, Query(q): Query<PageQuery>) -> ApiResult {
+async fn tenant_page(State(state): State<AdminState>, Params(q): Params<PageQuery>) -> ApiResult {
     let limit = q.limit.unwrap_or(50).clamp(1, 500);
     let mut names = state.store.tenant_names(&q.prefix).await?;
     let total = names.len();
@@ -434,8 +470,8 @@ async fn get_default(State(state): State<AdminState>) -> ApiResult {
 
 async fn put_default(
     State(state): State<AdminState>,
-    headers: HeaderMap,
-    Json(body): Json<QuotaBody>,
+    By(actor): By,
+    Body(body): Body<QuotaBody>,
 ) -> ApiResult {
     if body.adaptive.is_some() {
         return Err(bad_request(tollgate_core::adaptive::NOT_FOR_DEFAULT));
@@ -446,7 +482,7 @@ async fn put_default(
         weight: None,
         adaptive: None,
     };
-    apply(&state, &Target::Default, change, &headers).await
+    apply(&state, &Target::Default, change, &actor).await
 }
 
 async fn get_tenant(State(state): State<AdminState>, Path(name): Path<String>) -> ApiResult {
@@ -456,8 +492,8 @@ async fn get_tenant(State(state): State<AdminState>, Path(name): Path<String>) -
 async fn put_tenant(
     State(state): State<AdminState>,
     Path(name): Path<String>,
-    headers: HeaderMap,
-    Json(body): Json<QuotaBody>,
+    By(actor): By,
+    Body(body): Body<QuotaBody>,
 ) -> ApiResult {
     let quota = Quota::parse(&body.rate, body.burst).map_err(bad_request)?;
     let weight = body
@@ -476,34 +512,31 @@ async fn put_tenant(
         weight,
         adaptive: body.adaptive(quota)?,
     };
-    apply(&state, &tenant(&name)?, change, &headers).await
+    apply(&state, &tenant(&name)?, change, &actor).await
 }
 
 async fn put_weight(
     State(state): State<AdminState>,
     Path(name): Path<String>,
-    headers: HeaderMap,
-    Json(body): Json<WeightBody>,
+    By(actor): By,
+    Body(body): Body<WeightBody>,
 ) -> ApiResult {
     let weight = tollgate_core::weight(body.weight).map_err(bad_request)?;
-    apply(&state, &tenant(&name)?, Change::SetWeight(weight), &headers).await
+    apply(&state, &tenant(&name)?, Change::SetWeight(weight), &actor).await
 }
 
 async fn delete_tenant(
     State(state): State<AdminState>,
     Path(name): Path<String>,
-    headers: HeaderMap,
+    By(actor): By,
 ) -> ApiResult {
-    delete(&state, &tenant(&name)?, &headers).await
+    delete(&state, &tenant(&name)?, &actor).await
 }
 
 /// A delete, saying when the quota baseline names the target (the delete
 /// stands until the baseline's entry changes).
-async fn delete(state: &AdminState, target: &Target, headers: &HeaderMap) -> ApiResult {
-    let (old, new) = state
-        .store
-        .apply(target, Change::Delete, &actor(headers))
-        .await?;
+async fn delete(state: &AdminState, target: &Target, actor: &Actor) -> ApiResult {
+    let (old, new) = state.store.apply(target, Change::Delete, actor).await?;
     let mut body = json!({
         "target": target.label(),
         "action": Change::Delete.action(),
@@ -521,35 +554,35 @@ async fn delete(state: &AdminState, target: &Target, headers: &HeaderMap) -> Api
 async fn put_shadow(
     State(state): State<AdminState>,
     Path(name): Path<String>,
-    headers: HeaderMap,
-    Json(body): Json<QuotaBody>,
+    By(actor): By,
+    Body(body): Body<QuotaBody>,
 ) -> ApiResult {
     let quota = Quota::parse(&body.rate, body.burst).map_err(bad_request)?;
-    apply(&state, &tenant(&name)?, Change::SetShadow(quota), &headers).await
+    apply(&state, &tenant(&name)?, Change::SetShadow(quota), &actor).await
 }
 
 async fn delete_shadow(
     State(state): State<AdminState>,
     Path(name): Path<String>,
-    headers: HeaderMap,
+    By(actor): By,
 ) -> ApiResult {
-    apply(&state, &tenant(&name)?, Change::ClearShadow, &headers).await
+    apply(&state, &tenant(&name)?, Change::ClearShadow, &actor).await
 }
 
 async fn pause(
     State(state): State<AdminState>,
     Path(name): Path<String>,
-    headers: HeaderMap,
+    By(actor): By,
 ) -> ApiResult {
-    apply(&state, &tenant(&name)?, Change::Pause, &headers).await
+    apply(&state, &tenant(&name)?, Change::Pause, &actor).await
 }
 
 async fn resume(
     State(state): State<AdminState>,
     Path(name): Path<String>,
-    headers: HeaderMap,
+    By(actor): By,
 ) -> ApiResult {
-    apply(&state, &tenant(&name)?, Change::Resume, &headers).await
+    apply(&state, &tenant(&name)?, Change::Resume, &actor).await
 }
 
 async fn get_route(State(state): State<AdminState>, Path(name): Path<String>) -> ApiResult {
@@ -559,8 +592,8 @@ async fn get_route(State(state): State<AdminState>, Path(name): Path<String>) ->
 async fn put_route(
     State(state): State<AdminState>,
     Path(name): Path<String>,
-    headers: HeaderMap,
-    Json(body): Json<QuotaBody>,
+    By(actor): By,
+    Body(body): Body<QuotaBody>,
 ) -> ApiResult {
     let quota = body.shared()?;
     let change = Change::SetQuota {
@@ -569,15 +602,15 @@ async fn put_route(
         weight: None,
         adaptive: body.adaptive(quota)?,
     };
-    apply(&state, &route(&name)?, change, &headers).await
+    apply(&state, &route(&name)?, change, &actor).await
 }
 
 async fn delete_route(
     State(state): State<AdminState>,
     Path(name): Path<String>,
-    headers: HeaderMap,
+    By(actor): By,
 ) -> ApiResult {
-    delete(&state, &route(&name)?, &headers).await
+    delete(&state, &route(&name)?, &actor).await
 }
 
 #[derive(Deserialize)]
@@ -587,7 +620,7 @@ struct HistoryQuery {
     limit: Option<usize>,
 }
 
-async fn history(State(state): State<AdminState>, Query(q): Query<HistoryQuery>) -> ApiResult {
+async fn history(State(state): State<AdminState>, Params(q): Params<HistoryQuery>) -> ApiResult {
     let target = match q.target.as_deref() {
         None => None,
         Some("default") => Some(Target::Default),
@@ -633,8 +666,8 @@ struct CancelBody {
 
 async fn cancel(
     State(state): State<AdminState>,
-    headers: HeaderMap,
-    Json(body): Json<CancelBody>,
+    By(actor): By,
+    Body(body): Body<CancelBody>,
 ) -> ApiResult {
     let tenant = TenantId::parse(body.tenant.as_str()).map_err(bad_request)?;
     let by = match (body.job_id, body.idempotency_key) {
@@ -652,12 +685,12 @@ async fn cancel(
             &tenant,
             &by,
             Duration::from_secs(state.config.cancel_ttl_s),
-            &actor(&headers),
+            &actor,
         )
         .await?;
     Ok((
         StatusCode::OK,
-        Json(json!({ "cancelled": format!("{by:?}"), "tenant": tenant.as_str() })),
+        Json(json!({ "cancelled": by.to_string(), "tenant": tenant.as_str() })),
     )
         .into_response())
 }
@@ -671,10 +704,19 @@ struct DlqQuery {
 
 /// The dead-letter queue as `tollgate dlq list` shows it (payloads left
 /// out: they may hold personal data).
-async fn dlq(State(state): State<AdminState>, Query(q): Query<DlqQuery>) -> ApiResult {
-    let summary = crate::cli::dlq_summary(&state.config, q.scan.unwrap_or(10_000).min(100_000))
-        .await
-        .map_err(unavailable)?;
+async fn dlq(State(state): State<AdminState>, Params(q): Params<DlqQuery>) -> ApiResult {
+    let scan = q.scan.unwrap_or(10_000).min(100_000);
+    let Some(read) = in_time(&state, crate::cli::dlq_summary(&state.config, scan)).await else {
+        return Err(ApiError(
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!(
+                "reading up to {scan} dead letters takes longer than a request may last; the \
+                 read goes on to its end and leaves every letter where it was. Read fewer \
+                 (?scan=…), or run `tollgate dlq list`"
+            ),
+        ));
+    };
+    let summary = read.map_err(unavailable)?;
     let counts: Vec<_> = summary
         .counts
         .iter()
@@ -703,6 +745,35 @@ async fn dlq(State(state): State<AdminState>, Query(q): Query<DlqQuery>) -> ApiR
     .into_response())
 }
 
+/// `op`'s result, if it comes while the request may still be answered (a
+/// second before the server's request timeout). A dead-letter operation
+/// runs to its end on a task of its own either way.
+async fn in_time<T>(state: &AdminState, op: impl Future<Output = T>) -> Option<T> {
+    let timeout = Duration::from_millis(state.config.http_request_timeout_ms);
+    let answer_by = timeout
+        .saturating_sub(Duration::from_secs(1))
+        .max(timeout / 2);
+    tokio::time::timeout(answer_by, op).await.ok()
+}
+
+/// A dead-letter replay or purge still running when the request must be
+/// answered: 202, and where to see what it did.
+fn still_running(state: &AdminState, what: &str) -> ApiResult {
+    let queue = state.config.topology().map_err(bad_request)?.dead_queue();
+    Ok((
+        StatusCode::ACCEPTED,
+        Json(json!({
+            "queue": queue,
+            "running": what,
+            "detail": format!(
+                "the {what} goes on to its end; its entry in the audit history \
+                 (GET /v1/history, target dlq) will say what it did"
+            ),
+        })),
+    )
+        .into_response())
+}
+
 fn unavailable(e: anyhow::Error) -> ApiError {
     ApiError(StatusCode::SERVICE_UNAVAILABLE, format!("{e:#}"))
 }
@@ -718,8 +789,8 @@ struct ReplayBody {
 /// `tollgate dlq replay`: attempts start over, idempotency keys are kept.
 async fn dlq_replay(
     State(state): State<AdminState>,
-    headers: HeaderMap,
-    Json(body): Json<ReplayBody>,
+    By(actor): By,
+    Body(body): Body<ReplayBody>,
 ) -> ApiResult {
     let reason = body
         .reason
@@ -730,24 +801,24 @@ async fn dlq_replay(
     if let Some(t) = &body.tenant {
         TenantId::parse(t).map_err(bad_request)?;
     }
-    let (replayed, left, queue) = crate::cli::dlq_replay(
+    let replay = crate::cli::dlq_replay(
         &state.config,
         reason,
         body.tenant.as_deref(),
         body.limit.unwrap_or(usize::MAX),
-    )
-    .await
-    .map_err(unavailable)?;
-    let detail = format!(
-        "replayed {replayed} (reason {}, tenant {}); {left} left",
-        body.reason.as_deref().unwrap_or("any"),
-        body.tenant.as_deref().unwrap_or("any"),
+        &actor,
     );
-    state
-        .store
-        .record("dlq", "replay", &actor(&headers), &detail)
-        .await?;
-    Ok(Json(json!({"queue": queue, "replayed": replayed, "left": left})).into_response())
+    let Some(done) = in_time(&state, replay).await else {
+        return still_running(&state, "replay");
+    };
+    let done = done.map_err(unavailable)?;
+    Ok(Json(json!({
+        "queue": done.queue,
+        "replayed": done.replayed,
+        "left": done.left,
+        "unaudited": done.unaudited,
+    }))
+    .into_response())
 }
 
 #[derive(Deserialize)]
@@ -760,8 +831,8 @@ struct PurgeBody {
 /// `tollgate dlq purge`: only when `confirm` names the queue.
 async fn dlq_purge(
     State(state): State<AdminState>,
-    headers: HeaderMap,
-    Json(body): Json<PurgeBody>,
+    By(actor): By,
+    Body(body): Body<PurgeBody>,
 ) -> ApiResult {
     let queue = state.config.topology().map_err(bad_request)?.dead_queue();
     if body.confirm != queue {
@@ -769,19 +840,12 @@ async fn dlq_purge(
             "not confirmed: \"confirm\" must be the queue's name, {queue:?}; nothing deleted"
         )));
     }
-    let purged = crate::cli::dlq_purge(&state.config, |_, _| Ok(true))
-        .await
-        .map_err(unavailable)?;
-    state
-        .store
-        .record(
-            "dlq",
-            "purge",
-            &actor(&headers),
-            &format!("purged {purged}"),
-        )
-        .await?;
-    Ok(Json(json!({"purged": purged})).into_response())
+    let purge = crate::cli::dlq_purge(&state.config, |_, _| Ok(true), &actor);
+    let Some(done) = in_time(&state, purge).await else {
+        return still_running(&state, "purge");
+    };
+    let done = done.map_err(unavailable)?;
+    Ok(Json(json!({"purged": done.purged, "unaudited": done.unaudited})).into_response())
 }
 
 #[cfg(test)]

@@ -34,7 +34,8 @@ pub struct Cli {
     pub config: Option<PathBuf>,
 
     /// Who is acting, for the audit trail of quota, tenant and cancel
-    /// changes (default: $USER@hostname).
+    /// changes and dead-letter replays and purges (default:
+    /// $USER@hostname).
     #[arg(long, global = true, env = "TOLLGATE_ACTOR")]
     pub actor: Option<String>,
 
@@ -489,12 +490,7 @@ pub async fn publish(config: &Config, args: &PublishArgs) -> anyhow::Result<()> 
 /// `cli:$USER@hostname`, so the audit trail answers "who did this".
 pub fn cli_actor(explicit: Option<&str>) -> anyhow::Result<Actor> {
     let name = match explicit {
-        Some(name) => {
-            if name.is_empty() || name.chars().count() > 64 || name.chars().any(char::is_control) {
-                bail!("--actor {name:?} must be 1 to 64 characters, without control characters");
-            }
-            name.to_owned()
-        }
+        Some(name) => name.to_owned(),
         None => {
             let user = ["USER", "LOGNAME"]
                 .iter()
@@ -506,13 +502,11 @@ pub fn cli_actor(explicit: Option<&str>) -> anyhow::Result<Actor> {
                 .map(|h| h.trim().to_owned())
                 .filter(|h| !h.is_empty())
                 .unwrap_or_else(|| "unknown-host".into());
-            format!("{user}@{host}")
+            // A pod's long name is cut, not refused.
+            format!("{user}@{host}").chars().take(64).collect()
         }
     };
-    Ok(Actor {
-        who: format!("cli:{name}"),
-        source: "cli",
-    })
+    Actor::named("cli", &name).map_err(|e| anyhow::anyhow!("--actor {e}"))
 }
 
 impl TargetArgs {
@@ -763,15 +757,19 @@ pub async fn quota(config: &Config, command: &QuotaCommand, actor: &Actor) -> an
                 println!("no changes recorded");
             }
             for e in entries {
+                // A cancel, replay or purge changes no settings: what it
+                // did is its detail.
+                let what = match &e.detail {
+                    Some(detail) => tollgate_core::outcome::printable(detail),
+                    None => format!("{} → {}", e.old.describe(), e.new.describe()),
+                };
                 println!(
-                    "{}  {:<28} {:<13} {:<24} {:<4} {} → {}",
+                    "{}  {:<28} {:<13} {:<24} {:<4} {what}",
                     UnixMillis(e.at_ms),
                     e.target,
                     e.action,
-                    e.who,
+                    tollgate_core::outcome::printable(&e.who),
                     e.source,
-                    e.old.describe(),
-                    e.new.describe()
                 );
             }
         }
@@ -813,7 +811,7 @@ pub async fn cancel(config: &Config, args: &CancelArgs, actor: &Actor) -> anyhow
             actor,
         )
         .await?;
-    println!("cancelled {by:?} for tenant {tenant}: skipped at its turn, using no quota");
+    println!("cancelled {by} for tenant {tenant}: skipped at its turn, using no quota");
     Ok(())
 }
 
@@ -916,10 +914,9 @@ const DLQ_LOCK_WAIT: Duration = Duration::from_secs(20);
 /// when Redis cannot be reached, `op` runs unguarded (the dead letters stay
 /// readable while Redis is down) with a warning.
 async fn one_at_a_time<T>(
-    config: &Config,
+    store: &QuotaStore,
     op: impl Future<Output = anyhow::Result<T>>,
 ) -> anyhow::Result<T> {
-    let store = quota_store(config)?;
     let holder = format!(
         "{} (pid {}, {:08x})",
         std::env::var("HOSTNAME").unwrap_or_else(|_| "a host".into()),
@@ -972,7 +969,7 @@ async fn one_at_a_time<T>(
 
 /// Reads the dead-letter queue without taking anything out of it.
 pub async fn dlq_summary(config: &Config, scan: usize) -> anyhow::Result<DlqSummary> {
-    let (queue, depth, mut newest) = one_at_a_time(config, read_dlq(config, scan)).await?;
+    let (queue, depth, mut newest) = read_dlq(config, scan).await?;
     let mut counts = std::collections::BTreeMap::<(String, String), usize>::new();
     for l in &newest {
         *counts
@@ -991,34 +988,71 @@ pub async fn dlq_summary(config: &Config, scan: usize) -> anyhow::Result<DlqSumm
 /// The first `scan` dead letters in queue order, read as [`dlq_summary`]
 /// reads them: one read, replay or purge at a time.
 pub async fn dlq_letters(config: &Config, scan: usize) -> anyhow::Result<Vec<DeadLetter>> {
-    Ok(one_at_a_time(config, read_dlq(config, scan)).await?.2)
+    Ok(read_dlq(config, scan).await?.2)
 }
 
 /// The dead-letter queue's name, its depth and its first `scan` letters.
 async fn read_dlq(config: &Config, scan: usize) -> anyhow::Result<(String, u32, Vec<DeadLetter>)> {
-    let broker = connect_broker(config, "dlq").await?;
-    let queue = broker.topology().dead_queue();
-    let read = async {
-        let depth = broker.queue_depth(&queue).await?;
-        let letters = broker.peek_dead_letters(scan).await?;
-        anyhow::Ok((depth, letters.iter().map(describe_dead_letter).collect()))
-    }
-    .await;
-    broker.close().await;
-    let (depth, letters) = read?;
-    Ok((queue, depth, letters))
+    let (config, store) = (config.clone(), quota_store(config)?);
+    to_the_end(async move {
+        one_at_a_time(&store, async {
+            let broker = connect_broker(&config, "dlq").await?;
+            let queue = broker.topology().dead_queue();
+            let read = async {
+                let depth = broker.queue_depth(&queue).await?;
+                let letters = broker.peek_dead_letters(scan).await?;
+                anyhow::Ok((depth, letters.iter().map(describe_dead_letter).collect()))
+            }
+            .await;
+            broker.close().await;
+            let (depth, letters) = read?;
+            Ok((queue, depth, letters))
+        })
+        .await
+    })
+    .await
+}
+
+/// What a dead-letter replay did.
+#[derive(Debug)]
+pub struct Replayed {
+    pub queue: String,
+    pub replayed: usize,
+    /// Letters left in the queue (of those there when it began).
+    pub left: usize,
+    /// Why the audit stream has no entry for it, if it has none.
+    pub unaudited: Option<String>,
 }
 
 /// Sends the dead letters matching `reason` and `tenant` (at most `limit`)
-/// back to be processed again. Returns (replayed, left in the queue, the
-/// queue).
+/// back to be processed again, and records it in the audit stream as done
+/// by `actor`.
 pub async fn dlq_replay(
     config: &Config,
     reason: Option<DeadReason>,
     tenant: Option<&str>,
     limit: usize,
-) -> anyhow::Result<(usize, usize, String)> {
-    one_at_a_time(config, replay_dlq(config, reason, tenant, limit)).await
+    actor: &Actor,
+) -> anyhow::Result<Replayed> {
+    let (config, store) = (config.clone(), quota_store(config)?);
+    let (tenant, actor) = (tenant.map(str::to_owned), actor.clone());
+    to_the_end(async move {
+        let tenant = tenant.as_deref();
+        let (replayed, left, queue) =
+            one_at_a_time(&store, replay_dlq(&config, reason, tenant, limit)).await?;
+        let detail = format!(
+            "replayed {replayed} (reason {}, tenant {}); {left} left",
+            reason.map_or("any", |r| r.as_str()),
+            tenant.unwrap_or("any"),
+        );
+        Ok(Replayed {
+            queue,
+            replayed,
+            left,
+            unaudited: audit(&store, "replay", &actor, &detail).await,
+        })
+    })
+    .await
 }
 
 async fn replay_dlq(
@@ -1039,6 +1073,43 @@ async fn replay_dlq(
     Ok((replayed, left, broker.topology().dead_queue()))
 }
 
+/// Records a dead-letter replay or purge, already done, in the audit
+/// stream. A failure is logged with what was done (the log keeps the
+/// record), and returned, not raised: answering "failed" for what was done
+/// would have it done again.
+async fn audit(store: &QuotaStore, action: &str, actor: &Actor, detail: &str) -> Option<String> {
+    let e = store.record("dlq", action, actor, detail).await.err()?;
+    tracing::warn!(
+        error = %e,
+        action,
+        actor = %actor.who,
+        detail,
+        "a dead-letter {action} is done but could not be recorded in the audit stream"
+    );
+    Some(e.to_string())
+}
+
+/// Runs a dead-letter operation ([`one_at_a_time`], then its audit entry)
+/// on a task of its own, so that it goes to its end even when its caller
+/// stops waiting. An admin API request that timed out used to drop a read
+/// midway: the letters already copied were then there twice, the lock
+/// stayed held for its 30 s, and a replay went unaudited.
+async fn to_the_end<T: Send + 'static>(
+    op: impl Future<Output = anyhow::Result<T>> + Send + 'static,
+) -> anyhow::Result<T> {
+    tokio::spawn(op)
+        .await
+        .map_err(|e| anyhow::anyhow!("the dead-letter operation failed: {e}"))?
+}
+
+/// Says on stderr that a replay or purge that was done is not in the audit
+/// stream, and why.
+fn not_audited(why: Option<String>) {
+    if let Some(why) = why {
+        eprintln!("warning: done, but not recorded in the audit stream: {why}");
+    }
+}
+
 /// A dead-letter reason as an operator typed it, or why it is not one.
 pub fn dead_reason(r: &str) -> anyhow::Result<DeadReason> {
     DeadReason::parse(r).with_context(|| {
@@ -1046,12 +1117,23 @@ pub fn dead_reason(r: &str) -> anyhow::Result<DeadReason> {
     })
 }
 
+/// What a dead-letter purge did.
+#[derive(Debug)]
+pub struct Purged {
+    pub queue: String,
+    pub purged: u32,
+    /// Why the audit stream has no entry for it, if it has none.
+    pub unaudited: Option<String>,
+}
+
 /// Deletes every dead letter once `confirm` names the dead-letter queue (as
-/// an operator types it); returns how many went.
+/// an operator types it), and records it in the audit stream as done by
+/// `actor`.
 pub async fn dlq_purge(
     config: &Config,
     confirm: impl FnOnce(&str, u32) -> anyhow::Result<bool>,
-) -> anyhow::Result<u32> {
+    actor: &Actor,
+) -> anyhow::Result<Purged> {
     let broker = connect_broker(config, "dlq").await?;
     let queue = broker.topology().dead_queue();
     let depth = broker.queue_depth(&queue).await?;
@@ -1061,12 +1143,22 @@ pub async fn dlq_purge(
         confirmed?;
         bail!("not confirmed; nothing deleted");
     }
-    let purged = one_at_a_time(config, async { Ok(broker.purge(&queue).await?) }).await;
-    broker.close().await;
-    purged
+    let (store, actor) = (quota_store(config)?, actor.clone());
+    to_the_end(async move {
+        let purged = one_at_a_time(&store, async { Ok(broker.purge(&queue).await?) }).await;
+        broker.close().await;
+        let purged = purged?;
+        let unaudited = audit(&store, "purge", &actor, &format!("purged {purged}")).await;
+        Ok(Purged {
+            queue,
+            purged,
+            unaudited,
+        })
+    })
+    .await
 }
 
-pub async fn dlq(config: &Config, command: &DlqCommand) -> anyhow::Result<()> {
+pub async fn dlq(config: &Config, command: &DlqCommand, actor: &Actor) -> anyhow::Result<()> {
     match command {
         DlqCommand::List {
             limit,
@@ -1115,14 +1207,15 @@ pub async fn dlq(config: &Config, command: &DlqCommand) -> anyhow::Result<()> {
                 .map(dead_reason)
                 .transpose()
                 .map_err(|e| anyhow::anyhow!("--reason {e:#}"))?;
-            let (replayed, left, queue) =
-                dlq_replay(config, reason, tenant.as_deref(), *limit).await?;
-            println!("replayed {replayed} dead letter(s); {left} left in {queue}");
+            let done = dlq_replay(config, reason, tenant.as_deref(), *limit, actor).await?;
+            println!(
+                "replayed {} dead letter(s); {} left in {}",
+                done.replayed, done.left, done.queue
+            );
+            not_audited(done.unaudited);
         }
         DlqCommand::Purge { yes } => {
-            let mut queue_name = String::new();
-            let purged = dlq_purge(config, |queue, depth| {
-                queue_name = queue.to_owned();
+            let confirmed = |queue: &str, depth| {
                 Ok(*yes
                     || confirm(
                         &format!(
@@ -1130,9 +1223,10 @@ pub async fn dlq(config: &Config, command: &DlqCommand) -> anyhow::Result<()> {
                         ),
                         queue,
                     )?)
-            })
-            .await?;
-            println!("purged {purged} dead letter(s) from {queue_name}");
+            };
+            let done = dlq_purge(config, confirmed, actor).await?;
+            println!("purged {} dead letter(s) from {}", done.purged, done.queue);
+            not_audited(done.unaudited);
         }
     }
     Ok(())

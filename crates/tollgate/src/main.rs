@@ -61,7 +61,7 @@ async fn run(command: Command, actor: &Actor, config: Config) -> anyhow::Result<
         Command::Tenant(cmd) => cli::tenant(&config, &cmd, actor).await,
         Command::Cancel(args) => cli::cancel(&config, &args, actor).await,
         Command::Topology(cmd) => cli::topology(&config, &cmd).await,
-        Command::Dlq(cmd) => cli::dlq(&config, &cmd).await,
+        Command::Dlq(cmd) => cli::dlq(&config, &cmd, actor).await,
     }
 }
 

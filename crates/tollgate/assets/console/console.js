@@ -23,12 +23,19 @@
     }
   }
 
+  // A header value is bytes, and fetch refuses a character above U+00FF:
+  // the name goes as its UTF-8 bytes, which the server reads as UTF-8.
+  function utf8Bytes(text) {
+    return Array.from(new TextEncoder().encode(text), (b) => String.fromCharCode(b)).join("");
+  }
+
   async function api(method, path, body) {
     const headers = {
       Authorization: "Bearer " + store.getItem("tollgate.token"),
-      "X-Tollgate-Actor": store.getItem("tollgate.actor") || "",
       "X-Tollgate-Client": "console",
     };
+    const actor = store.getItem("tollgate.actor");
+    if (actor) headers["X-Tollgate-Actor"] = utf8Bytes(actor);
     const init = { method, headers, cache: "no-store", credentials: "omit" };
     if (body !== undefined) {
       headers["Content-Type"] = "application/json";
@@ -405,10 +412,14 @@
         row.appendChild(el("td", c.tenant));
         row.appendChild(el("td", c.count));
         const cell = el("td");
-        const replay = el("button", "Replay these");
-        replay.type = "button";
-        replay.addEventListener("click", () => replayDlq({ reason: c.reason, tenant: c.tenant }));
-        cell.appendChild(replay);
+        // "?": routed by something that is not a tenant; a replay would
+        // only dead-letter them again.
+        if (c.tenant !== "?") {
+          const replay = el("button", "Replay these");
+          replay.type = "button";
+          replay.addEventListener("click", () => replayDlq({ reason: c.reason, tenant: c.tenant }));
+          cell.appendChild(replay);
+        }
         row.appendChild(cell);
         return row;
       })
@@ -424,12 +435,17 @@
     );
   }
 
+  // A replay or purge that outlasts the request goes on to its end (202).
+  function stillRunning(done) {
+    return "The " + done.running + " is still running; the history will say what it did.";
+  }
+
   async function replayDlq(filter) {
     say("dlq-ok", "");
     say("dlq-error", "");
     try {
       const done = await api("POST", "/v1/dlq/replay", filter);
-      say("dlq-ok", "Replayed " + done.replayed + "; " + done.left + " left.");
+      say("dlq-ok", done.running ? stillRunning(done) : "Replayed " + done.replayed + "; " + done.left + " left.");
     } catch (e) {
       say("dlq-error", e.message);
     }
@@ -441,7 +457,7 @@
     say("dlq-error", "");
     try {
       const done = await api("POST", "/v1/dlq/purge", { confirm: $("dlq-confirm-name").value.trim() });
-      say("dlq-ok", "Purged " + done.purged + ".");
+      say("dlq-ok", done.running ? stillRunning(done) : "Purged " + done.purged + ".");
       show("dlq-confirm", false);
     } catch (e) {
       say("dlq-error", e.message);
