@@ -374,11 +374,17 @@ async fn dlq_replay_sends_replayed_jobs_once_and_purge_empties_it() {
         out.starts_with("replayed 0 dead letter(s); 10 left"),
         "{out}"
     );
+    // A limit stops the sweep at its last letter; the rest stay.
+    let out = cli(&["dlq", "replay", "--reason", "rejected", "--limit", "4"]);
+    assert!(
+        out.starts_with("replayed 4 dead letter(s); 6 left"),
+        "{out}"
+    );
     let out = cli(&[
         "dlq", "replay", "--reason", "rejected", "--tenant", "fixme", "--actor", "dana",
     ]);
     assert!(
-        out.starts_with("replayed 10 dead letter(s); 0 left"),
+        out.starts_with("replayed 6 dead letter(s); 0 left"),
         "{out}"
     );
     wait_for("10 sent", Duration::from_secs(20), || async {
@@ -438,18 +444,25 @@ async fn dlq_replay_sends_replayed_jobs_once_and_purge_empties_it() {
             )
         })
         .collect();
-    assert_eq!(dlq.len(), 3, "{dlq:?}");
+    assert_eq!(dlq.len(), 4, "{dlq:?}");
     assert_eq!(dlq[0], ("purge", "cli:dana", "purged 1"));
     assert_eq!(
         dlq[1],
         (
             "replay",
             "cli:dana",
-            "replayed 10 (reason rejected, tenant fixme); 0 left"
+            "replayed 6 (reason rejected, tenant fixme); 0 left"
         )
     );
-    assert_eq!(dlq[2].0, "replay");
-    assert!(dlq[2].1.starts_with("cli:"), "{dlq:?}");
+    assert_eq!(dlq[2].2, "replayed 4 (reason rejected, tenant any); 6 left");
+    assert_eq!(
+        dlq[3].2,
+        "replayed 0 (reason exhausted, tenant any); 10 left"
+    );
+    assert!(
+        dlq.iter().all(|(_, who, _)| who.starts_with("cli:")),
+        "{dlq:?}"
+    );
     worker.stop().await.unwrap();
     env.cleanup().await;
 }

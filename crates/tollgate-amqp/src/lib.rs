@@ -563,8 +563,8 @@ impl Broker {
     /// open until the connection closes, and the letter is then there
     /// twice.
     ///
-    /// One letter at a time, copies confirmed one by one, is slow (about a
-    /// thousand letters a second) but keeps every ack followed by a round
+    /// One letter at a time, copies confirmed one by one, is slow (about 800
+    /// letters a second on 2 cores) but keeps every ack followed by a round
     /// trip. Confirming copies a batch at a time, then acking the batch
     /// just before the channel closed, left some letters twice: a quorum
     /// queue (RabbitMQ 3.10) holds back settlements when many are pending,
@@ -579,9 +579,10 @@ impl Broker {
         let present = self.queue_depth(&queue).await? as usize;
         let channel = self.open_channel().await?;
         let mut unvisited = present.min(limit);
+        let mut done = false;
         let result = async {
             let mut taken = Vec::new();
-            while unvisited > 0 {
+            while unvisited > 0 && !done {
                 let Some(msg) = bounded("a basic.get", async {
                     channel
                         .basic_get(queue.as_str().into(), BasicGetOptions { no_ack: false })
@@ -597,9 +598,7 @@ impl Broker {
                 let delivery = msg.delivery;
                 let mut headers = delivery.properties.headers().clone().unwrap_or_default();
                 let sweep = decide(&delivery);
-                if matches!(sweep, Sweep::ReplayLast) {
-                    unvisited = 0;
-                }
+                done = matches!(sweep, Sweep::ReplayLast);
                 let exchange = match sweep {
                     // The delivery count goes: the copy starts unworn.
                     Sweep::Keep => {
