@@ -733,6 +733,33 @@ async fn the_admin_api_needs_the_right_token() {
     }
     let stored = env.quotas.get(&tenant("acme")).await.unwrap().unwrap();
     assert_eq!(stored.quota, Some(quota("20/s", 2)), "nothing changed");
+    // A path or method the API does not have: 404 / 405, JSON too, and
+    // only behind the token.
+    let ask = |method: reqwest::Method, path: &str, token: &str| {
+        http.request(method, url(path)).bearer_auth(token).send()
+    };
+    let token = "right-token-0123456789";
+    for (method, path, status, says) in [
+        (
+            reqwest::Method::GET,
+            "/v1/nope",
+            404,
+            "no endpoint GET /v1/nope",
+        ),
+        (
+            reqwest::Method::DELETE,
+            "/v1/history",
+            405,
+            "/v1/history does not take DELETE",
+        ),
+    ] {
+        let answer = ask(method.clone(), path, token).await.unwrap();
+        assert_eq!(answer.status(), status, "{method} {path}");
+        let body: serde_json::Value = answer.json().await.expect("a JSON error");
+        assert_eq!(body["error"], says);
+        let stranger = ask(method.clone(), path, "wrong-token").await.unwrap();
+        assert_eq!(stranger.status(), 401, "{method} {path} without the token");
+    }
 
     // A weight: alone (the quota stays), audited; out of range or on a
     // route, a clear 400 and nothing changes.

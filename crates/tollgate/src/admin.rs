@@ -13,10 +13,10 @@ use axum::Json;
 use axum::Router;
 use axum::extract::{DefaultBodyLimit, FromRequest, FromRequestParts, Path, Query, Request, State};
 use axum::http::request::Parts;
-use axum::http::{StatusCode, header};
+use axum::http::{Method, StatusCode, Uri, header};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post, put};
+use axum::routing::{any, get, post, put};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
@@ -93,10 +93,29 @@ pub fn router(state: AdminState) -> Router {
         .route("/v1/dlq", get(dlq))
         .route("/v1/dlq/replay", post(dlq_replay))
         .route("/v1/dlq/purge", post(dlq_purge))
+        .route("/v1/{*rest}", any(no_such_endpoint))
+        .method_not_allowed_fallback(wrong_method)
         .layer(middleware::from_fn_with_state(state.clone(), authorize))
         .layer(DefaultBodyLimit::max(BODY_LIMIT))
         .with_state(state)
         .merge(crate::console::router())
+}
+
+/// An API path that does not exist: 404 with `{"error"}`, as the API's
+/// other refusals (axum's is an empty body).
+async fn no_such_endpoint(method: Method, uri: Uri) -> ApiError {
+    ApiError(
+        StatusCode::NOT_FOUND,
+        format!("no endpoint {method} {}", uri.path()),
+    )
+}
+
+/// An API path asked with a method it does not take: 405 with `{"error"}`.
+async fn wrong_method(method: Method, uri: Uri) -> ApiError {
+    ApiError(
+        StatusCode::METHOD_NOT_ALLOWED,
+        format!("{} does not take {method}", uri.path()),
+    )
 }
 
 /// Compares without an early exit, so the time taken does not reveal how
