@@ -109,8 +109,13 @@
   async function signIn(event) {
     event.preventDefault();
     say("login-error", "");
+    const actor = $("login-actor").value.trim();
+    if (!actor) {
+      say("login-error", "Give your name: it goes into the audit with every change you make.");
+      return;
+    }
     store.setItem("tollgate.token", $("login-token").value);
-    store.setItem("tollgate.actor", $("login-actor").value.trim());
+    store.setItem("tollgate.actor", actor);
     try {
       await api("GET", "/v1/console/tenants?limit=1");
     } catch (e) {
