@@ -566,9 +566,11 @@ impl Broker {
     /// One letter at a time, copies confirmed one by one, is slow (about 800
     /// letters a second on 2 cores) but keeps every ack followed by a round
     /// trip. Confirming copies a batch at a time, then acking the batch
-    /// just before the channel closed, left some letters twice: a quorum
-    /// queue (RabbitMQ 3.10) holds back settlements when many are pending,
-    /// and drops those still held when the channel closes.
+    /// just before the channel closed, left some letters twice: the
+    /// channel's client of a quorum queue (RabbitMQ 3.10's
+    /// `rabbit_fifo_client`) stashes settlements while more commands than
+    /// its soft limit (32) await the queue's answer, and the stash is lost
+    /// when the channel closes, so those letters go back to the queue.
     async fn sweep_dead_letters(
         &self,
         limit: usize,
