@@ -17,7 +17,7 @@ async fn malformed_messages_are_dead_lettered_and_good_jobs_around_them_are_sent
         r#"{{"id":"big","tenant":"acme","payload":"{}"}}"#,
         "x".repeat(5000)
     );
-    let bad: [(&str, Vec<u8>, &str); 7] = [
+    let bad: [(&str, Vec<u8>, &str); 8] = [
         ("acme", b"this is not json".to_vec(), "not a valid job"),
         ("acme", br#"{"id":"m1"}"#.to_vec(), "missing field `tenant`"),
         (
@@ -35,6 +35,13 @@ async fn malformed_messages_are_dead_lettered_and_good_jobs_around_them_are_sent
             "acme",
             br#"{"id":"m5","tenant":"acme","kind":"fax"}"#.to_vec(),
             "unknown kind",
+        ),
+        // A tenant named like a route's hash tag would take that route's
+        // quota as its own, and its permits from the route's bucket.
+        (
+            "route:email",
+            br#"{"id":"m7","tenant":"route:email"}"#.to_vec(),
+            "names a route's keys",
         ),
         // The error quotes the field's name: its escape sequence must not
         // reach the detail header (nor `dlq list`'s terminal).

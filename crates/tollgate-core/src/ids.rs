@@ -19,6 +19,14 @@ pub enum IdError {
          the provider would see another {what}"
     )]
     Padded { what: &'static str },
+    #[error(
+        "{what} starts with {prefix:?}, which names a route's keys in Redis: a {what} so named \
+         would share the route's quota"
+    )]
+    Reserved {
+        what: &'static str,
+        prefix: &'static str,
+    },
     #[error("{what} contains {found:?}; allowed: {allowed}")]
     BadChar {
         what: &'static str,
@@ -56,6 +64,10 @@ fn check(
 
 macro_rules! id_type {
     ($(#[$doc:meta])* $name:ident, $what:literal, $max:expr, $allowed:literal, $ok:expr) => {
+        id_type!($(#[$doc])* $name, $what, $max, $allowed, $ok, |_: &str| Ok(()));
+    };
+    ($(#[$doc:meta])* $name:ident, $what:literal, $max:expr, $allowed:literal, $ok:expr,
+     $also:expr) => {
         $(#[$doc])*
         #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
         pub struct $name(String);
@@ -66,6 +78,7 @@ macro_rules! id_type {
             pub fn parse(s: impl Into<String>) -> Result<Self, IdError> {
                 let s = s.into();
                 check($what, &s, $max, $allowed, $ok)?;
+                ($also)(s.as_str())?;
                 Ok(Self(s))
             }
 
@@ -101,10 +114,20 @@ fn printable(c: char) -> bool {
     !c.is_control()
 }
 
+/// What a tenant may not start with: a route's Redis keys carry the hash
+/// tag `{route:<kind>}`, and a tenant's `{<tenant>}`.
+pub const RESERVED_TENANT_PREFIX: &str = "route:";
+
 id_type!(
-    /// A tenant: `[A-Za-z0-9._:-]{1,64}`. Also the AMQP routing key and the
-    /// Redis hash tag, so the charset excludes `{`, `}`, `*`, `#` and spaces.
-    TenantId, "tenant", 64, "A-Z a-z 0-9 . _ : -", tenant_char
+    /// A tenant: `[A-Za-z0-9._:-]{1,64}`, not starting with `route:`. Also
+    /// the AMQP routing key and the Redis hash tag, so the charset excludes
+    /// `{`, `}`, `*`, `#` and spaces; a tenant named `route:email` would
+    /// have the route `email`'s keys.
+    TenantId, "tenant", 64, "A-Z a-z 0-9 . _ : -", tenant_char,
+    |s: &str| match s.starts_with(RESERVED_TENANT_PREFIX) {
+        true => Err(IdError::Reserved { what: "tenant", prefix: RESERVED_TENANT_PREFIX }),
+        false => Ok(()),
+    }
 );
 id_type!(
     /// A job id chosen by the producer, unique per job.
@@ -154,6 +177,13 @@ mod tests {
             Err(IdError::TooLong { len: 65, .. })
         ));
         assert!(TenantId::parse("x".repeat(64)).is_ok());
+        // A route's keys are tagged `{route:<kind>}`: no tenant has them.
+        assert!(matches!(
+            TenantId::parse("route:email"),
+            Err(IdError::Reserved { .. })
+        ));
+        assert!(TenantId::parse("router:email").is_ok());
+        assert!(TenantId::parse("eu:route:email").is_ok());
     }
 
     #[test]
