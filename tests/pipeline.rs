@@ -155,25 +155,37 @@ async fn a_recorded_idempotency_key_is_never_sent_again() {
     env.cleanup().await;
 }
 
+/// An installation declared as one with 4 shards is (which records them),
+/// and a provider that accepts everything.
+async fn four_shards() -> (FakeProvider, TestEnv) {
+    let provider = FakeProvider::start(fake_provider::always_ok())
+        .await
+        .unwrap();
+    let env = TestEnv::new_with(&provider.url(), |c| c.shards = 4).await;
+    tollgate_runtime::topology::declare(&env.broker, &env.quotas, None)
+        .await
+        .unwrap();
+    (provider, env)
+}
+
+/// 40 tenants with room to send, 2 jobs each, spread over the work queues.
+async fn forty_tenants_two_jobs_each(env: &TestEnv) -> Vec<String> {
+    let tenants: Vec<String> = (0..40).map(|i| format!("t{i}")).collect();
+    for tenant in &tenants {
+        env.set_quota(tenant, "100/s", 10).await;
+        env.publish(tenant, 2, |_| {}).await;
+    }
+    tenants
+}
+
 /// Shrinking `shards` once left the higher work queues bound to the jobs
 /// exchange and consumed by nobody: their jobs waited forever. A worker
 /// with fewer shards now unbinds them and the shards' other queues (no new
 /// job or returning copy lands there) and drains them until they are empty.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shrinking_shards_drains_the_queues_left_behind() {
-    let provider = FakeProvider::start(fake_provider::always_ok())
-        .await
-        .unwrap();
-    let env = TestEnv::new_with(&provider.url(), |c| c.shards = 4).await;
-    // Declared as an installation with 4 shards does (which records them).
-    tollgate_runtime::topology::declare(&env.broker, &env.quotas, None)
-        .await
-        .unwrap();
-    let tenants: Vec<String> = (0..40).map(|i| format!("t{i}")).collect();
-    for tenant in &tenants {
-        env.set_quota(tenant, "100/s", 10).await;
-        env.publish(tenant, 2, |_| {}).await;
-    }
+    let (provider, env) = four_shards().await;
+    let tenants = forty_tenants_two_jobs_each(&env).await;
     let topology = env.broker.topology().clone();
     let (high, low) = (topology.work_queue(2), topology.work_queue(3));
     let stranded =
@@ -203,6 +215,52 @@ async fn shrinking_shards_drains_the_queues_left_behind() {
             assert_eq!(env.broker.queue_depth(&queue).await.unwrap(), 0, "{queue}");
         }
     }
+    let (sent, _) = tollgate_tests::effects(&provider.received());
+    assert_eq!(sent.len(), 80, "each job sent once");
+    env.cleanup().await;
+}
+
+/// An operator who deletes a drained queue of a stale shard before a higher
+/// one has emptied (the note says to delete each once it stays empty) left
+/// the higher one consumed by nobody: the probe stopped at the first missing
+/// work queue, and the record of how many exist fell to the new count. Every
+/// stale work queue up to the record is now probed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stale_shard_behind_a_deleted_one_is_still_drained() {
+    use tollgate_amqp::lapin::options::QueueDeleteOptions;
+
+    let (provider, env) = four_shards().await;
+    let topology = env.broker.topology().clone();
+    let (conn, channel) = env.raw_channel().await;
+    for kind in ShardQueue::ALL {
+        channel
+            .queue_delete(
+                topology.queue(kind, 2).as_str().into(),
+                QueueDeleteOptions::default(),
+            )
+            .await
+            .unwrap();
+    }
+    conn.close(200, "deleted".into()).await.unwrap();
+    forty_tenants_two_jobs_each(&env).await;
+    let beyond = env
+        .broker
+        .queue_depth(&topology.work_queue(3))
+        .await
+        .unwrap();
+    assert!(beyond > 0, "some tenants hash to work queue 3");
+
+    let worker = env.spawn_worker_with(|c| c.shards = 2).await;
+    wait_for("every job sent", Duration::from_secs(30), || async {
+        provider.accepted() >= 80
+    })
+    .await;
+    worker.stop().await.unwrap();
+    assert_eq!(
+        env.quotas.work_queues().await.unwrap(),
+        Some(4),
+        "work.3 still exists"
+    );
     let (sent, _) = tollgate_tests::effects(&provider.received());
     assert_eq!(sent.len(), 80, "each job sent once");
     env.cleanup().await;

@@ -245,14 +245,19 @@ impl Broker {
     /// Shards left by a larger `shards`: each of their queues unbound from
     /// its exchange, so nothing new lands there, and drained by
     /// [`Broker::consume`]; returns their names. `known` is how many shards
-    /// may exist; work queues are probed from `shards` up to it, stopping at
-    /// the first missing one. Probing a missing queue makes the broker close
-    /// a channel, which lapin logs as an error: callers bound it.
-    pub async fn drain_stale_shards(&self, known: u16) -> Result<Vec<String>, AmqpError> {
+    /// may exist; every work queue from `shards` up to it is probed (an
+    /// operator may have deleted a lower one that had emptied first), or,
+    /// with `known` `None` (no record of it), up to the first missing one.
+    /// Probing a missing queue makes the broker close a channel, which lapin
+    /// logs as an error: callers bound it.
+    pub async fn drain_stale_shards(&self, known: Option<u16>) -> Result<Vec<String>, AmqpError> {
         let mut stale = Vec::new();
-        for i in self.topology.shards()..known {
+        for i in self.topology.shards()..known.unwrap_or(u16::MAX) {
             if !self.queue_exists(&self.topology.work_queue(i)).await? {
-                break;
+                if known.is_none() {
+                    break;
+                }
+                continue;
             }
             for kind in ShardQueue::ALL {
                 // A shard left by a version before the lanes has only a
