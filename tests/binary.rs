@@ -74,6 +74,26 @@ async fn the_binary_runs_a_worker_and_every_verb_works() {
         .output()
         .unwrap();
     assert_eq!(bad.status.code(), Some(64), "an empty --actor is bad usage");
+    // TOLLGATE_ACTOR, as --help says (it was refused as an unknown setting).
+    tollgate_with(
+        &env,
+        &["tenant", "resume", "alice-t"],
+        &[("TOLLGATE_ACTOR", "carol")],
+    );
+    let out = tollgate(&env, &["quota", "history", "alice-t", "--limit", "1"]);
+    assert!(out.contains(" cli:carol "), "{out}");
+    // A worker with nowhere to send is bad configuration, like any other.
+    let no_route = Command::new(tollgate_bin())
+        .arg("worker")
+        .env("TOLLGATE_PREFIX", &env.config.prefix)
+        .env_remove("TOLLGATE_PROVIDER_URL")
+        .output()
+        .unwrap();
+    assert_eq!(no_route.status.code(), Some(64), "{no_route:?}");
+    assert!(
+        String::from_utf8_lossy(&no_route.stderr).contains("no provider route"),
+        "{no_route:?}"
+    );
     // A weight alone keeps the quota; a rate without --weight clears it.
     let out = tollgate(&env, &["quota", "set", "acme", "--weight", "3"]);
     assert_eq!(

@@ -164,6 +164,13 @@ pub struct Config {
 /// begin after its slot (5 ms of a per-second quota at 1 %).
 const MIN_PACING_MARGIN_PCT: f64 = 1.0;
 
+/// The longest prefix: the names built on it must stay within AMQP's 255
+/// bytes (`<prefix>.recheck.65535`, `<prefix>.park.<tier>`).
+const MAX_PREFIX_LEN: usize = 200;
+
+/// The smallest `max_body_bytes` that still admits an ordinary job.
+const MIN_BODY_BYTES: usize = 1024;
+
 /// The longest `sent_ttl_s` or `cancel_ttl_s`: 100 years, well inside what
 /// Redis accepts as an expiry.
 const MAX_TTL_S: u64 = 100 * 365 * 24 * 3600;
@@ -267,7 +274,8 @@ impl Config {
                     .filter(|key| {
                         !kubernetes_service_link(key.as_str()) && !is_file_key(key.as_str())
                     })
-                    .ignore(&["config"])
+                    // The CLI's own settings (clap reads them).
+                    .ignore(&["config", "actor"])
                     .split("__"),
             )
             .extract()
@@ -319,6 +327,31 @@ impl Config {
                 .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
         {
             bail!("prefix {:?} must be non-empty [A-Za-z0-9._-]", self.prefix);
+        }
+        if self.prefix.len() > MAX_PREFIX_LEN {
+            bail!(
+                "prefix is {} characters long, the limit is {MAX_PREFIX_LEN}: queue and exchange \
+                 names add to it, and RabbitMQ refuses a name over 255 bytes",
+                self.prefix.len()
+            );
+        }
+        if self.prefix == "amq" || self.prefix.starts_with("amq.") {
+            bail!(
+                "prefix {:?}: RabbitMQ reserves exchange names starting with \"amq.\"",
+                self.prefix
+            );
+        }
+        if self.max_json_depth < 2 {
+            bail!(
+                "max_json_depth must be at least 2: a job is an object holding a payload object, \
+                 and every job would be dead-lettered as malformed"
+            );
+        }
+        if self.max_body_bytes < MIN_BODY_BYTES {
+            bail!(
+                "max_body_bytes must be at least {MIN_BODY_BYTES}: a job's id, tenant, kind and \
+                 key alone may take a few hundred bytes, and a smaller limit dead-letters them"
+            );
         }
         if self.concurrency == 0 {
             bail!("concurrency must be at least 1");
@@ -593,13 +626,19 @@ impl Config {
         Ok(nodes.starting_at(first))
     }
 
-    /// The contents of `tls_ca_file`, if set.
+    /// The contents of `tls_ca_file`, if set: PEM holding at least one
+    /// certificate (a TLS library skips what is not one, so an empty or
+    /// wrong file would otherwise surface only as a failed handshake).
     pub fn tls_ca_pem(&self) -> anyhow::Result<Option<String>> {
         self.tls_ca_file
             .as_deref()
             .map(|path| {
-                std::fs::read_to_string(path)
-                    .with_context(|| format!("tls_ca_file: reading {path}"))
+                let pem = std::fs::read_to_string(path)
+                    .with_context(|| format!("tls_ca_file: reading {path}"))?;
+                if !pem.contains("-----BEGIN CERTIFICATE-----") {
+                    bail!("tls_ca_file: {path} holds no PEM certificate");
+                }
+                Ok(pem)
             })
             .transpose()
     }
@@ -622,6 +661,21 @@ impl Config {
             .iter()
             .map(|(k, v)| (k.as_str(), v.clone()))
             .collect();
+        match &self.provider_url {
+            Some(_) if self.routes.contains_key("default") => bail!(
+                "provider_url and [routes.default] both set the default route: keep one (the \
+                 table's throttle_scope and eligibility_url would be dropped)"
+            ),
+            None if self.eligibility_url.is_some() => bail!(
+                "eligibility_url belongs to provider_url's route, which is not set: set \
+                 provider_url, or the route's eligibility_url in [routes.<kind>]"
+            ),
+            None if self.throttle_scope != ThrottleScope::Tenant => bail!(
+                "throttle_scope belongs to provider_url's route, which is not set: set \
+                 provider_url, or the route's throttle_scope in [routes.<kind>]"
+            ),
+            _ => {}
+        }
         if let Some(url) = &self.provider_url {
             let route = RouteConfig {
                 url: url.clone(),
@@ -720,7 +774,12 @@ mod tests {
             jail.set_env("TOLLGATE_AMQP_URL_FILE", "amqp-url");
             jail.set_env("TOLLGATE_ADMIN_TOKEN_FILE", "admin-token");
             // Settings that are paths are plain settings, not secret files.
-            jail.create_file("ca.pem", "not checked here")?;
+            jail.create_file(
+                "ca.pem",
+                "-----BEGIN CERTIFICATE-----\nnot parsed here\n-----END CERTIFICATE-----\n",
+            )?;
+            // The CLI's own settings are left to clap.
+            jail.set_env("TOLLGATE_ACTOR", "alice");
             jail.set_env("TOLLGATE_TLS_CA_FILE", "ca.pem");
             let config = Config::load(None).expect("loads");
             assert_eq!(config.tls_ca_file.as_deref(), Some("ca.pem"));
@@ -873,10 +932,44 @@ mod tests {
         refused(|c| c.redis_timeout_ms = 0, "redis_timeout_ms");
         refused(|c| c.quota_seed_interval_ms = 0, "quota_seed_interval_ms");
         refused(|c| c.hold_max_ms = c.delivery_timeout_ms, "hold_max_ms");
+        refused(|c| c.prefix = "p".repeat(MAX_PREFIX_LEN + 1), "prefix");
+        refused(|c| c.prefix = "amq".into(), "prefix");
+        refused(|c| c.prefix = "amq.tollgate".into(), "prefix");
+        refused(|c| c.max_json_depth = 1, "max_json_depth");
+        refused(|c| c.max_body_bytes = 0, "max_body_bytes");
+        refused(
+            |c| {
+                c.provider_url = Some(SecretUrl::new("http://provider/send"));
+                c.routes.insert(
+                    "default".into(),
+                    RouteConfig {
+                        url: SecretUrl::new("http://provider/other"),
+                        eligibility_url: None,
+                        throttle_scope: ThrottleScope::Route,
+                    },
+                );
+            },
+            "provider_url and [routes.default]",
+        );
+        refused(
+            |c| c.eligibility_url = Some(SecretUrl::new("http://provider/ok")),
+            "eligibility_url",
+        );
+        refused(
+            |c| c.throttle_scope = ThrottleScope::Route,
+            "throttle_scope",
+        );
+        refused(
+            |c| c.tls_ca_file = Some("/dev/null".into()),
+            "tls_ca_file: /dev/null holds no PEM certificate",
+        );
         let edge = Config {
             pacing_margin_pct: 1.0,
             sent_ttl_s: 1,
             delivery_limit: 1,
+            prefix: "p".repeat(MAX_PREFIX_LEN),
+            max_json_depth: 2,
+            max_body_bytes: MIN_BODY_BYTES,
             ..Config::default()
         };
         edge.validate().unwrap();

@@ -44,6 +44,13 @@ async fn main() -> ExitCode {
             return ExitCode::from(EXIT_CONFIG);
         }
     };
+    if matches!(args.command, Command::Worker) && config.routes().is_ok_and(|r| r.is_empty()) {
+        eprintln!(
+            "tollgate: bad configuration: no provider route: set TOLLGATE_PROVIDER_URL (or \
+             [routes] in the config file)"
+        );
+        return ExitCode::from(EXIT_CONFIG);
+    }
     match run(args.command, &actor, config).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -66,11 +73,6 @@ async fn run(command: Command, actor: &Actor, config: Config) -> anyhow::Result<
 }
 
 async fn worker(config: Config) -> anyhow::Result<()> {
-    if config.routes()?.is_empty() {
-        anyhow::bail!(
-            "no provider route: set TOLLGATE_PROVIDER_URL (or [routes] in the config file)"
-        );
-    }
     let metrics = Metrics::new(config.tenant_label_limit, &config.tenant_label_allowlist);
     let worker = Arc::new(LiveWorker::new(
         &config.worker_settings()?,
