@@ -149,6 +149,8 @@ pub struct Config {
     pub max_json_depth: usize,
     /// Tenants reported by name in metrics; the rest are `other`.
     pub tenant_label_limit: usize,
+    /// A list, or (as an environment variable) names separated by commas.
+    #[serde(deserialize_with = "names")]
     pub tenant_label_allowlist: Vec<String>,
     pub redis_timeout_ms: u64,
     /// SIGTERM → stop consuming, finish in-flight work, exit within this.
@@ -167,6 +169,29 @@ const MIN_PACING_MARGIN_PCT: f64 = 1.0;
 /// The longest prefix: the names built on it must stay within AMQP's 255
 /// bytes (`<prefix>.recheck.65535`, `<prefix>.park.<tier>`).
 const MAX_PREFIX_LEN: usize = 200;
+
+/// A list of names, or one string of them separated by commas
+/// (`TOLLGATE_TENANT_LABEL_ALLOWLIST=acme,globex`).
+fn names<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<String>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Names {
+        List(Vec<String>),
+        Text(String),
+        // `TOLLGATE_…=42` reads as a number.
+        Number(u64),
+    }
+    Ok(match Names::deserialize(d)? {
+        Names::List(list) => list,
+        Names::Number(n) => vec![n.to_string()],
+        Names::Text(text) => text
+            .split(',')
+            .map(str::trim)
+            .filter(|name| !name.is_empty())
+            .map(str::to_owned)
+            .collect(),
+    })
+}
 
 /// The smallest `max_body_bytes` that still admits an ordinary job.
 const MIN_BODY_BYTES: usize = 1024;
@@ -340,6 +365,11 @@ impl Config {
                 "prefix {:?}: RabbitMQ reserves exchange names starting with \"amq.\"",
                 self.prefix
             );
+        }
+        for name in &self.tenant_label_allowlist {
+            tollgate_core::TenantId::parse(name.as_str()).with_context(|| {
+                format!("tenant_label_allowlist: {name:?} can never match a tenant")
+            })?;
         }
         if self.max_json_depth < 2 {
             bail!(
@@ -759,6 +789,29 @@ mod tests {
             assert_eq!(
                 routes[1].eligibility_url.as_ref().map(|u| u.as_str()),
                 Some("http://crm.internal/still-true")
+            );
+            Ok(())
+        });
+    }
+
+    #[test]
+    #[allow(clippy::result_large_err)] // figment's Jail API returns figment::Error
+    fn the_label_allowlist_is_a_list_or_names_with_commas_and_each_a_tenant() {
+        figment::Jail::expect_with(|jail| {
+            jail.set_env("TOLLGATE_TENANT_LABEL_ALLOWLIST", "acme, globex");
+            let config = Config::load(None).expect("loads");
+            assert_eq!(config.tenant_label_allowlist, ["acme", "globex"]);
+            jail.set_env("TOLLGATE_TENANT_LABEL_ALLOWLIST", "[acme, initech]");
+            let config = Config::load(None).expect("loads");
+            assert_eq!(config.tenant_label_allowlist, ["acme", "initech"]);
+            jail.set_env("TOLLGATE_TENANT_LABEL_ALLOWLIST", "42");
+            let config = Config::load(None).expect("loads");
+            assert_eq!(config.tenant_label_allowlist, ["42"]);
+            jail.set_env("TOLLGATE_TENANT_LABEL_ALLOWLIST", "acme,bad tenant");
+            let error = format!("{:#}", Config::load(None).unwrap_err());
+            assert!(
+                error.starts_with("tenant_label_allowlist: \"bad tenant\" can never match"),
+                "{error}"
             );
             Ok(())
         });
