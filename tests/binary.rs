@@ -412,3 +412,34 @@ fn a_worker_refuses_an_empty_or_short_admin_token() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A queue argument changed by configuration (here `delivery_limit`) cannot
+/// be applied to a queue that exists: the error says which setting, where
+/// the procedure is, and quotes the broker once (it quoted it three times,
+/// naming no setting).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_changed_queue_argument_is_named_with_the_way_out() {
+    let env = TestEnv::new("http://127.0.0.1:9/unused").await;
+    let changed = env.config.delivery_limit + 1;
+    let out = Command::new(tollgate_bin())
+        .args(["topology", "declare"])
+        .env("TOLLGATE_PREFIX", &env.config.prefix)
+        .env("TOLLGATE_SHARDS", env.config.shards.to_string())
+        .env("TOLLGATE_DELIVERY_LIMIT", changed.to_string())
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let ours = stderr
+        .lines()
+        .find(|l| l.starts_with("tollgate: "))
+        .unwrap_or_else(|| panic!("no error line: {stderr}"));
+    assert!(ours.contains("exists with other arguments"), "{ours}");
+    assert!(ours.contains("delivery_limit"), "{ours}");
+    assert!(
+        ours.contains("Changing queue arguments needs new queues"),
+        "{ours}"
+    );
+    assert_eq!(ours.matches("inequivalent arg").count(), 1, "{ours}");
+    env.cleanup().await;
+}

@@ -39,12 +39,18 @@ pub enum AmqpError {
     MissingPlugin(&'static str),
     #[error("connecting to RabbitMQ: no node answered: {0}")]
     NoNode(String),
-    #[error("declaring {name}: {source}")]
-    Declare {
-        name: String,
-        #[source]
-        source: lapin::Error,
-    },
+    // The cause is in the message, not the error chain: lapin's error
+    // carries its own cause in its message too, and a chain printed it
+    // three times over.
+    #[error("declaring {name}: {cause}")]
+    Declare { name: String, cause: lapin::Error },
+    #[error(
+        "{name} exists with other arguments than this configuration declares ({detail}): a \
+         setting that shapes queues changed (delivery_limit, delay_tiers_ms, the queue type), \
+         and RabbitMQ cannot change a queue's arguments. See docs/operations.md, \
+         \"Changing queue arguments needs new queues\""
+    )]
+    Inequivalent { name: String, detail: String },
     #[error("publishing to {exchange}: {source}")]
     Publish {
         exchange: String,
@@ -90,10 +96,17 @@ async fn bounded<T>(
 }
 
 impl AmqpError {
-    fn declare(name: &str, source: lapin::Error) -> Self {
-        Self::Declare {
-            name: name.to_owned(),
-            source,
+    fn declare(name: &str, cause: lapin::Error) -> Self {
+        let text = cause.to_string();
+        match text.find("inequivalent arg") {
+            Some(at) => Self::Inequivalent {
+                name: name.to_owned(),
+                detail: text[at..].to_owned(),
+            },
+            None => Self::Declare {
+                name: name.to_owned(),
+                cause,
+            },
         }
     }
 }
