@@ -2122,3 +2122,60 @@ fn slow_tenants_places_stay_near_when_a_fast_tenant_joins_their_route() {
         }
     }
 }
+
+/// A call may begin up to its leeway after its slot: 36 s for a per-hour
+/// quota at a 2 % margin. The lease and the concurrency place lasted only
+/// the provider timeout and 5 s from the slot (15 s here), so a call begun
+/// late within its leeway could outlive them, and another job went past the
+/// concurrency limit (or a copy with the same key was granted). Both now
+/// last past the latest moment the call may begin.
+#[test]
+fn a_lease_outlasts_the_latest_moment_its_call_may_begin() {
+    runtime().block_on(async {
+        let hourly = Quota::new("3600/h".parse().unwrap(), 1).unwrap();
+        let (permits, quotas) = stores_with(PermitSettings {
+            pacing_margin: 0.02,
+            ..settings(hourly)
+        });
+        let tenant = TenantId::parse("hourly").unwrap();
+        let change = tollgate_quota::Change::SetQuota {
+            quota: hourly,
+            concurrency: Some(1),
+            weight: None,
+            adaptive: None,
+        };
+        let target = tollgate_quota::Target::Tenant(tenant.clone());
+        quotas.apply(&target, change, &test_actor()).await.unwrap();
+        let route = Kind::default_kind();
+        let ids: Vec<JobId> = (0..2)
+            .map(|i| JobId::parse(format!("h{i}")).unwrap())
+            .collect();
+        let keys: Vec<IdempotencyKey> = ids.iter().map(IdempotencyKey::from).collect();
+        let req = |i: usize, token| PermitRequest {
+            lease_token: token,
+            ..request(&tenant, &route, &ids[i], &keys[i])
+        };
+
+        let PermitDecision::Granted { leeway, .. } =
+            decision_at(&permits, req(0, "first"), T0).await
+        else {
+            panic!("the first job is granted");
+        };
+        assert!(leeway > Duration::from_secs(20), "{leeway:?}");
+        // 16 s on, the first call may still begin (within its leeway): it
+        // still holds the tenant's one place.
+        let later = T0 + 16_000_000;
+        assert!(matches!(
+            decision_at(&permits, req(1, "second"), later).await,
+            PermitDecision::AtConcurrency { .. }
+        ));
+        // Its key stays leased past that latest moment too.
+        let lease = Keys::new(quotas.keys().prefix()).lease(&tenant, &keys[0]);
+        let pttl = tollgate_tests::pttl(&tollgate::Config::load(None).unwrap(), &lease).await;
+        assert!(
+            pttl as u128 > (Duration::from_secs(15) + leeway).as_millis() - 1_000,
+            "lease PTTL {pttl} ms against a leeway of {leeway:?}"
+        );
+        quotas.purge_prefix().await.unwrap();
+    });
+}

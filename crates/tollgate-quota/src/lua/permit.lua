@@ -671,7 +671,13 @@ local function permit(KEYS, ARGV)
       end
     end
 
+    -- The lease lasts past the latest moment the call may begin (its slot,
+    -- plus the leeway: 36 s for a per-hour quota at the default margin) by
+    -- the provider timeout and more. Without the leeway, a call begun late
+    -- but within it could outlive its lease, and a copy with the same key
+    -- (or another job past the concurrency limit) was granted meanwhile.
     local lease_ms = tonumber(lease_ttl_ms) + math.ceil(delay / 1000)
+      + math.ceil(math.max(grant_leeway, 0) / 1000)
     local marks = ''
     if concurrency and concurrency > 0 then marks = 'c' end
     if q[11] == '1' then marks = marks .. 't' end
