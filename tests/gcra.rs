@@ -2179,3 +2179,41 @@ fn a_lease_outlasts_the_latest_moment_its_call_may_begin() {
         quotas.purge_prefix().await.unwrap();
     });
 }
+
+/// A shadow quota judges each send as the real one would: only a send it
+/// would allow moves its bucket. Moved by the sends it would deny too, it
+/// stayed at its cap and said "deny" to nearly everything after the first
+/// few sends: a 5/s shadow under 10 sends a second now allows every other
+/// one, its rate.
+#[test]
+fn a_shadow_quota_allows_what_its_rate_would() {
+    runtime().block_on(async {
+        let (permits, quotas) = stores(Quota::new("100/s".parse().unwrap(), 1).unwrap());
+        let tenant = TenantId::parse("trial").unwrap();
+        let target = tollgate_quota::Target::Tenant(tenant.clone());
+        let shadow =
+            tollgate_quota::Change::SetShadow(Quota::new("5/s".parse().unwrap(), 1).unwrap());
+        quotas.apply(&target, shadow, &test_actor()).await.unwrap();
+        let route = Kind::default_kind();
+        let (mut allowed, mut denied) = (0, 0);
+        for i in 0..100u64 {
+            let id = JobId::parse(format!("s{i}")).unwrap();
+            let key = IdempotencyKey::from(&id);
+            // 10 a second, for 10 s.
+            let at = T0 + i * 100_000;
+            match decision_at(&permits, request(&tenant, &route, &id, &key), at).await {
+                PermitDecision::Granted {
+                    shadow: tollgate_core::run::Shadow::Allow,
+                    ..
+                } => allowed += 1,
+                PermitDecision::Granted {
+                    shadow: tollgate_core::run::Shadow::Deny,
+                    ..
+                } => denied += 1,
+                other => panic!("send {i}: {other:?}"),
+            }
+        }
+        assert_eq!((allowed, denied), (50, 50), "5/s of 10 sends a second");
+        quotas.purge_prefix().await.unwrap();
+    });
+}
