@@ -455,7 +455,15 @@ impl QuotaStore {
         let mut invocation = self.change.key(target.hash(&self.keys));
         invocation
             .key(target.baseline_mark(&self.keys))
-            .key(target.adapt(&self.keys))
+            .key(target.adapt(&self.keys));
+        if let Target::Tenant(tenant) = target {
+            // Its lines of places, which a pause or resume empties.
+            invocation
+                .key(self.keys.waiting(tenant))
+                .key(self.keys.waiting_high(tenant))
+                .key(self.keys.waiting_low(tenant));
+        }
+        invocation
             .arg(&actor.who)
             .arg(legacy.as_deref().unwrap_or(""))
             .arg(seed.map(|(fingerprint, _)| fingerprint).unwrap_or(""))
