@@ -615,6 +615,22 @@ impl Config {
         self.quotas_file.as_deref().map(Baseline::load).transpose()
     }
 
+    /// Routes the quota baseline sets a quota for that no provider route of
+    /// this configuration has (`[routes.emial]`): most likely a typo, and
+    /// seeded all the same.
+    pub fn baseline_routes_unknown(&self) -> anyhow::Result<Vec<String>> {
+        let Some(baseline) = self.baseline()? else {
+            return Ok(Vec::new());
+        };
+        let routes = self.routes()?;
+        Ok(baseline
+            .routes
+            .keys()
+            .filter(|name| !routes.iter().any(|r| &r.kind == *name))
+            .cloned()
+            .collect())
+    }
+
     /// Everything a worker is built from, checked.
     pub fn worker_settings(&self) -> anyhow::Result<WorkerSettings> {
         Ok(WorkerSettings {
@@ -813,6 +829,22 @@ mod tests {
                 error.starts_with("tenant_label_allowlist: \"bad tenant\" can never match"),
                 "{error}"
             );
+            Ok(())
+        });
+    }
+
+    #[test]
+    #[allow(clippy::result_large_err)] // figment's Jail API returns figment::Error
+    fn a_baseline_route_no_provider_route_has_is_named() {
+        figment::Jail::expect_with(|jail| {
+            jail.create_file(
+                "quotas.toml",
+                "[routes.email]\nrate = \"100/s\"\n\n[routes.emial]\nrate = \"5/s\"\n",
+            )?;
+            jail.set_env("TOLLGATE_QUOTAS_FILE", "quotas.toml");
+            jail.set_env("TOLLGATE_ROUTES__EMAIL__URL", "http://provider/email");
+            let config = Config::load(None).expect("loads");
+            assert_eq!(config.baseline_routes_unknown().unwrap(), ["emial"]);
             Ok(())
         });
     }

@@ -84,6 +84,13 @@ async fn worker(config: Config) -> anyhow::Result<()> {
         token: config.admin_token()?,
         config: Arc::new(config.clone()),
     };
+    for route in config.baseline_routes_unknown()? {
+        tracing::warn!(
+            route,
+            "the quota baseline sets a quota for route {route:?}, which no provider route of \
+             this configuration has: a typo? It is seeded all the same"
+        );
+    }
     if admin.token.is_none() {
         tracing::warn!(
             "TOLLGATE_ADMIN_TOKEN is not set: the admin API under /v1/ refuses every request"
