@@ -871,10 +871,7 @@ fn a_place_from_the_share_line_is_not_respaced_as_the_tenants() {
             .unwrap()
             .as_micros() as u64;
         let now = stored + 5_000_000;
-        let ids: Vec<JobId> = (0..6)
-            .map(|i| JobId::parse(format!("j{i}")).unwrap())
-            .collect();
-        let keys: Vec<IdempotencyKey> = ids.iter().map(IdempotencyKey::from).collect();
+        let (ids, keys) = jobs(0..6);
         // Four fresh jobs: three within the 250 ms horizon (0, 100, 200 ms),
         // the fourth a place at 300 ms; the line's next free place is 400 ms.
         for i in 0..4 {
@@ -930,10 +927,7 @@ fn a_job_back_from_a_hop_keeps_its_place_right_after_the_quota_was_set() {
             .as_micros() as u64;
         let now = set_at + 1_000_000;
         let route = Kind::parse("email").unwrap();
-        let ids: Vec<JobId> = (0..2)
-            .map(|i| JobId::parse(format!("j{i}")).unwrap())
-            .collect();
-        let keys: Vec<IdempotencyKey> = ids.iter().map(IdempotencyKey::from).collect();
+        let (ids, keys) = jobs(0..2);
         // 10/s with no pacing margin: places 100 ms apart; one at 200 ms.
         let back = |i: usize, interval_ms: u64| PermitRequest {
             returning: Some(tollgate_core::ports::Returning {
@@ -1013,10 +1007,7 @@ fn decisions_asked_at_once_each_get_their_own_answer() {
     runtime().block_on(async {
         let (permits, quotas) = stores(Quota::new("10/s".parse().unwrap(), 5).unwrap());
         let (tenant, route) = (TenantId::parse("acme").unwrap(), Kind::default_kind());
-        let ids: Vec<JobId> = (0..40)
-            .map(|i| JobId::parse(format!("j{i}")).unwrap())
-            .collect();
-        let keys: Vec<IdempotencyKey> = ids.iter().map(IdempotencyKey::from).collect();
+        let (ids, keys) = jobs(0..40);
         let fresh = |i: usize| PermitRequest {
             reserve_within: Some(Duration::ZERO),
             ..request(&tenant, &route, &ids[i], &keys[i])
@@ -1358,10 +1349,7 @@ fn a_completion_frees_its_place_under_the_concurrency_limit() {
             .await
             .unwrap();
         let route = Kind::default_kind();
-        let ids: Vec<JobId> = (0..3)
-            .map(|i| JobId::parse(format!("j{i}")).unwrap())
-            .collect();
-        let keys: Vec<IdempotencyKey> = ids.iter().map(IdempotencyKey::from).collect();
+        let (ids, keys) = jobs(0..3);
         let req = |i: usize| request(&tenant, &route, &ids[i], &keys[i]);
         let decide = |i: usize| decision_at(&permits, req(i), T0);
         assert!(matches!(decide(0).await, PermitDecision::Granted { .. }));
@@ -1399,19 +1387,10 @@ fn a_call_that_timed_out_keeps_its_key_and_its_place_until_its_lease_ends() {
     runtime().block_on(async {
         let (permits, quotas) = stores(Quota::new("1000/s".parse().unwrap(), 10).unwrap());
         let tenant = TenantId::parse("slow").unwrap();
-        let change = tollgate_quota::Change::SetQuota {
-            quota: Quota::new("1000/s".parse().unwrap(), 10).unwrap(),
-            concurrency: Some(2),
-            weight: None,
-            adaptive: None,
-        };
-        let target = tollgate_quota::Target::Tenant(tenant.clone());
-        quotas.apply(&target, change, &test_actor()).await.unwrap();
+        let quota = Quota::new("1000/s".parse().unwrap(), 10).unwrap();
+        set_quota_at_most(&quotas, &tenant, quota, Some(2)).await;
         let route = Kind::default_kind();
-        let ids: Vec<JobId> = (0..3)
-            .map(|i| JobId::parse(format!("j{i}")).unwrap())
-            .collect();
-        let keys: Vec<IdempotencyKey> = ids.iter().map(IdempotencyKey::from).collect();
+        let (ids, keys) = jobs(0..3);
         // A token per attempt, as workers make them: the in-flight set
         // counts tokens.
         let tokens = ["a0", "a1", "a2"];
@@ -1463,6 +1442,15 @@ fn a_call_that_timed_out_keeps_its_key_and_its_place_until_its_lease_ends() {
     });
 }
 
+/// The ids `j0`, `j1` … of `range`'s jobs, and their idempotency keys.
+fn jobs(range: std::ops::Range<usize>) -> (Vec<JobId>, Vec<IdempotencyKey>) {
+    let ids: Vec<JobId> = range
+        .map(|i| JobId::parse(format!("j{i}")).unwrap())
+        .collect();
+    let keys = ids.iter().map(IdempotencyKey::from).collect();
+    (ids, keys)
+}
+
 /// A decision at `now` (µs).
 async fn decision_at(permits: &RedisPermits, req: PermitRequest<'_>, now: u64) -> PermitDecision {
     match permits.decide(req, 1, Some(now)).await.unwrap() {
@@ -1484,9 +1472,29 @@ async fn tenant_quota(quotas: &QuotaStore, tenant: &TenantId, rate: &str) {
 
 /// Sets `target`'s quota (no concurrency cap, weight or adaptation).
 async fn set_quota(quotas: &QuotaStore, target: tollgate_quota::Target, quota: Quota) {
+    apply_quota(quotas, target, quota, None).await;
+}
+
+/// Sets `tenant`'s quota with at most `concurrency` calls in flight.
+async fn set_quota_at_most(
+    quotas: &QuotaStore,
+    tenant: &TenantId,
+    quota: Quota,
+    concurrency: Option<u32>,
+) {
+    let target = tollgate_quota::Target::Tenant(tenant.clone());
+    apply_quota(quotas, target, quota, concurrency).await;
+}
+
+async fn apply_quota(
+    quotas: &QuotaStore,
+    target: tollgate_quota::Target,
+    quota: Quota,
+    concurrency: Option<u32>,
+) {
     let change = tollgate_quota::Change::SetQuota {
         quota,
-        concurrency: None,
+        concurrency,
         weight: None,
         adaptive: None,
     };
@@ -2138,19 +2146,9 @@ fn a_lease_outlasts_the_latest_moment_its_call_may_begin() {
             ..settings(hourly)
         });
         let tenant = TenantId::parse("hourly").unwrap();
-        let change = tollgate_quota::Change::SetQuota {
-            quota: hourly,
-            concurrency: Some(1),
-            weight: None,
-            adaptive: None,
-        };
-        let target = tollgate_quota::Target::Tenant(tenant.clone());
-        quotas.apply(&target, change, &test_actor()).await.unwrap();
+        set_quota_at_most(&quotas, &tenant, hourly, Some(1)).await;
         let route = Kind::default_kind();
-        let ids: Vec<JobId> = (0..2)
-            .map(|i| JobId::parse(format!("h{i}")).unwrap())
-            .collect();
-        let keys: Vec<IdempotencyKey> = ids.iter().map(IdempotencyKey::from).collect();
+        let (ids, keys) = jobs(0..2);
         let req = |i: usize, token| PermitRequest {
             lease_token: token,
             ..request(&tenant, &route, &ids[i], &keys[i])
@@ -2229,10 +2227,7 @@ fn a_resumed_tenant_sends_at_once_not_behind_the_places_its_pause_emptied() {
         let tenant = TenantId::parse("paused").unwrap();
         let target = tollgate_quota::Target::Tenant(tenant.clone());
         let route = Kind::default_kind();
-        let ids: Vec<JobId> = (0..31)
-            .map(|i| JobId::parse(format!("p{i}")).unwrap())
-            .collect();
-        let keys: Vec<IdempotencyKey> = ids.iter().map(IdempotencyKey::from).collect();
+        let (ids, keys) = jobs(0..31);
         let ask = |i: usize, at: u64| {
             decision_at(&permits, request(&tenant, &route, &ids[i], &keys[i]), at)
         };
