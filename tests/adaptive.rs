@@ -121,9 +121,11 @@ async fn sent(permits: &RedisPermits, job: &Job, now: u64) -> Learned {
 
 /// Events: (a 429?, µs since the previous one). Long enough runs to reach
 /// a settled rate's next probe and its trial's windows, and a climb resumed
-/// after a failed later step.
+/// after a failed later step; now and then a gap of seconds, as a long
+/// Retry-After or a slow quota leaves between outcomes.
 fn events() -> impl Strategy<Value = Vec<(bool, u64)>> {
-    prop::collection::vec((prop::bool::weighted(0.08), 1u64..300_000), 1..240)
+    let gap = prop_oneof![20 => 1u64..300_000, 1 => 1_000_000u64..15_000_000];
+    prop::collection::vec((prop::bool::weighted(0.08), gap), 1..240)
 }
 
 proptest! {
@@ -135,7 +137,7 @@ proptest! {
     fn the_script_learns_exactly_as_the_specification(
         ceiling in prop::sample::select(vec!["20/s", "7/s", "300/m", "1000/s"]),
         decrease in 0.1f64..0.95,
-        increase in 0.01f64..1.0,
+        increase in prop_oneof![0.01f64..1.0, Just(1.0)],
         probe_s in 1u64..30,
         events in events(),
     ) {
@@ -160,7 +162,7 @@ proptest! {
                 spec.audit(&tuning, now);
                 let stored = store.learning(&target, &tuning).await.unwrap();
                 assert_eq!(stored, spec);
-                let effective = (spec.effective(&tuning) * 1000.0).round() / 1000.0;
+                let effective = (spec.effective(&tuning) * 1e6).round() / 1e6;
                 assert_eq!(learned, Learned { tenant: Some(effective), route: None });
             }
             store.purge_prefix().await.unwrap();
@@ -206,7 +208,7 @@ async fn the_script_follows_a_raised_limit_as_the_specification() {
             stopped_short += 1;
         }
         assert_eq!(store.learning(&target, &tuning).await.unwrap(), spec);
-        let effective = (spec.effective(&tuning) * 1000.0).round() / 1000.0;
+        let effective = (spec.effective(&tuning) * 1e6).round() / 1e6;
         assert_eq!(learned.tenant, Some(effective));
         now += if ok {
             (1e6 / spec.effective(&tuning) * 1.02).ceil() as u64

@@ -14,11 +14,13 @@
 //!   higher again (twice that when the probe before failed too), or one
 //!   window when a climb's later step failed (below);
 //! - a lone 429 at a rate that held: that rate sits on the provider's edge,
-//!   where send jitter alone crosses it: one step (`increase`) back, and
-//!   stay there the same way;
-//! - any other 429 (a second one within 6 s at a rate that held, a failed
-//!   probe's not counted: the limit fell; or nothing has held yet):
-//!   multiplicative decrease, rate × `decrease`, and climb back from there;
+//!   where send jitter alone crosses it: one step (`increase`) back (the
+//!   rate ÷ (1 + `increase`), the inverse of a step up), and stay there the
+//!   same way;
+//! - any other 429 (a second one within 6 s, or before a window has held
+//!   since the last, at a rate that held, a failed probe's not counted: the
+//!   limit fell; or nothing has held yet): multiplicative decrease, rate ×
+//!   `decrease`, and climb back from there;
 //! - the 429s that answer sends made before a change are one burst: after
 //!   a change, 429s are ignored for one window;
 //! - a window (2 s) that passes without a 429, with the tenant sending at
@@ -248,6 +250,11 @@ pub struct Learning {
     pub cool_until: u64,
     /// When the last 429 that changed the rate came.
     pub throttled_at: Option<u64>,
+    /// No window has held since that 429: the rate it stepped back to is
+    /// not known to hold, so a 429 now is a storm however long after (a
+    /// Retry-After of 6 s or more, or a slow quota's spacing, puts every
+    /// 429 of a falling limit more than [`STORM_MICROS`] apart).
+    pub unproven: bool,
     /// The window under way: when it began and the sends since.
     pub window: Option<(u64, u32)>,
     /// When the rate last changed (places in line are re-spaced around it).
@@ -271,6 +278,7 @@ impl Learning {
             probe_wait: 0,
             cool_until: 0,
             throttled_at: None,
+            unproven: false,
             window: None,
             changed_at: 0,
             audited: None,
@@ -291,7 +299,7 @@ impl Learning {
         self.trial = false;
         self.resume = false;
         let rate = self.effective(limits);
-        let storm = self.throttled_at.is_some_and(|t| now < t + STORM_MICROS);
+        let storm = self.unproven || self.throttled_at.is_some_and(|t| now < t + STORM_MICROS);
         let new = match self.good {
             Some(good) if good < rate => {
                 // A probe above what held failed: back to it. Its 429 says
@@ -317,8 +325,10 @@ impl Learning {
             }
             Some(_) if !storm => {
                 // A lone 429 at a rate that held: it sits at the provider's
-                // edge, where send jitter alone crosses it. One step back.
-                let back = limits.clamp(rate * (1.0 - limits.increase));
+                // edge, where send jitter alone crosses it. One step back:
+                // the inverse of a step up, so a large `increase` never cuts
+                // deeper than a storm would.
+                let back = limits.clamp(rate / (1.0 + limits.increase));
                 self.good = Some(back);
                 self.settle(limits, now);
                 back
@@ -332,6 +342,7 @@ impl Learning {
             }
         };
         self.throttled_at = Some(now);
+        self.unproven = true;
         self.cool_until = now + WINDOW_MICROS;
         self.window = Some((now, 0));
         self.set(limits.clamp(new), rate, now)
@@ -355,6 +366,7 @@ impl Learning {
         if now < self.cool_until || used < EXERCISED * rate {
             return false;
         }
+        self.unproven = false;
         if self.trial {
             // Its first window held: one more before it counts.
             self.trial = false;
@@ -497,6 +509,67 @@ mod tests {
             s.sent(&l, now);
         }
         assert!(s.rate > 14.0, "probes again after {} µs", l.probe_micros);
+    }
+
+    /// Sends at `rate` for `micros` from `now`; returns the time after.
+    fn paced(l: &Tuning, s: &mut Learning, mut now: u64, rate: f64, micros: u64) -> u64 {
+        let until = now + micros;
+        while now < until {
+            now += (1e6 / rate) as u64;
+            s.sent(l, now);
+        }
+        now
+    }
+
+    #[test]
+    fn a_falling_limit_is_cut_however_far_apart_its_429s_come() {
+        // A provider answering 429 with Retry-After 10: each 429 pauses the
+        // tenant for longer than the 6 s that makes two 429s a storm.
+        let l = limits(20.0, 1.0);
+        let mut s = Learning::new(&l);
+        let mut now = paced(&l, &mut s, 1_000_000, 20.0, 5_000_000);
+        assert_eq!(s.good, Some(20.0), "20/s held");
+        assert!(s.throttled(&l, now));
+        let lone = s.effective(&l);
+        assert!(
+            (lone - 20.0 / 1.05).abs() < 1e-9,
+            "a lone 429: one step back, {lone}"
+        );
+        // Paused 10 s, then a few sends (not a window held at that rate)
+        // and a 429 again: the rate stepped back to does not hold either.
+        now += 10_000_000;
+        now = paced(&l, &mut s, now, 20.0, 500_000);
+        assert!(s.throttled(&l, now));
+        assert!(
+            (s.effective(&l) - lone * l.decrease).abs() < 1e-9,
+            "cut to {} from {lone}",
+            s.effective(&l)
+        );
+        // Once a window has held, a 429 that long after is not a storm:
+        // the climb under way falls back to the rate that held.
+        now += 10_000_000;
+        let cut = s.effective(&l);
+        now = paced(&l, &mut s, now, cut, 4_500_000);
+        let (rate, good) = (s.effective(&l), s.good.expect("a window held"));
+        assert!(!s.unproven);
+        now += 10_000_000;
+        assert!(s.throttled(&l, now));
+        assert_eq!(s.effective(&l), good, "from {rate}");
+    }
+
+    #[test]
+    fn a_lone_429_never_cuts_deeper_than_a_storm() {
+        // At the largest step up (`--increase 1`, doubling), one step back
+        // halves the rate; `rate × (1 − increase)` took it to the minimum.
+        let l = Tuning {
+            increase: 1.0,
+            ..limits(20.0, 1.0)
+        };
+        let mut s = Learning::new(&l);
+        let now = paced(&l, &mut s, 1_000_000, 20.0, 5_000_000);
+        assert_eq!(s.good, Some(20.0));
+        assert!(s.throttled(&l, now));
+        assert_eq!(s.effective(&l), 10.0);
     }
 
     /// Sends at 14/s for `micros`; returns the time of the last.
@@ -749,7 +822,8 @@ mod tests {
     }
 
     fn event() -> impl Strategy<Value = (bool, u64)> {
-        (prop::bool::weighted(0.1), 1u64..400_000)
+        let gap = prop_oneof![20 => 1u64..400_000, 1 => 1_000_000u64..15_000_000];
+        (prop::bool::weighted(0.1), gap)
     }
 
     proptest! {
@@ -758,7 +832,7 @@ mod tests {
             ceiling in 1.0f64..1000.0,
             min_fraction in 0.01f64..1.0,
             decrease in 0.1f64..0.95,
-            increase in 0.01f64..1.0,
+            increase in prop_oneof![0.01f64..1.0, Just(1.0)],
             events in prop::collection::vec(event(), 1..300),
         ) {
             let l = Tuning { ceiling, min: ceiling * min_fraction, decrease, increase, probe_micros: 3_000_000 };
@@ -768,12 +842,21 @@ mod tests {
                 now += gap;
                 let before = s.effective(&l);
                 let cooling = now < s.cool_until;
+                let good = s.good;
                 let changed = if throttled { s.throttled(&l, now) } else { s.sent(&l, now) };
                 let after = s.effective(&l);
                 prop_assert!(after <= l.ceiling && after >= l.min);
                 prop_assert_eq!(changed, after != before);
                 if throttled {
                     prop_assert!(after <= before);
+                    // No 429 cuts deeper than a storm's decrease or one
+                    // step back, whichever is deeper, but a failed probe's
+                    // fall back to the rate that held.
+                    let deepest = before * decrease.min(1.0 / (1.0 + increase));
+                    prop_assert!(
+                        after >= deepest.max(l.min) - 1e-9 || good.map(|g| l.clamp(g)) == Some(after),
+                        "{before} → {after}"
+                    );
                     if !cooling && before > l.min {
                         prop_assert!(after < before, "a new 429 burst lowers the rate");
                     }

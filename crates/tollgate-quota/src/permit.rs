@@ -450,7 +450,7 @@ const DEFAULT_COPY_FOR: Duration = Duration::from_secs(1);
 /// slot (see [`RedisPermits::record_afterwards`]).
 #[derive(Clone, Copy, Debug)]
 struct Afterwards {
-    /// An adaptive quota's adjustment to audit: (old, new) in thousandths
+    /// An adaptive quota's adjustment to audit: (old, new) in millionths
     /// per second, negative when none.
     tenant_audit: (i64, i64),
     route_audit: (i64, i64),
@@ -1284,8 +1284,8 @@ impl RedisPermits {
     async fn record_afterwards(&self, req: &PermitRequest<'_>, after: Afterwards) {
         let mut pipe = redis::pipe();
         let mut any = false;
-        let effective = |milli: i64| {
-            serde_json::json!({ "effective": format!("{:.3}", milli as f64 / 1000.0) }).to_string()
+        let effective = |micro: i64| {
+            serde_json::json!({ "effective": significant(micro as f64 / 1e6) }).to_string()
         };
         for (target, (old, new)) in [
             (Target::Tenant(req.tenant.clone()), after.tenant_audit),
@@ -1393,9 +1393,20 @@ impl Made {
 }
 
 /// An adaptive quota's effective rate as a completion replies it
-/// (thousandths per second; negative: the quota does not adapt).
-fn learned_rate(milli: i64) -> Option<f64> {
-    (milli >= 0).then(|| milli as f64 / 1000.0)
+/// (millionths per second; negative: the quota does not adapt).
+fn learned_rate(micro: i64) -> Option<f64> {
+    (micro >= 0).then(|| micro as f64 / 1e6)
+}
+
+/// A rate per second in the audit stream: three decimals, or three
+/// significant digits below 1 (a 1/h quota's 0.000278, not 0.000).
+fn significant(rate: f64) -> String {
+    let decimals = if rate >= 1.0 || rate <= 0.0 {
+        3
+    } else {
+        (2 - rate.log10().floor() as i32).clamp(3, 9) as usize
+    };
+    format!("{rate:.decimals$}")
 }
 
 fn micros(d: Duration) -> u64 {
@@ -1634,5 +1645,18 @@ mod lanes {
         assert_eq!(numbers(&first), (0..BATCH_MAX).collect::<Vec<_>>());
         let second = lanes.next_batch(&mut calls).await.unwrap();
         assert_eq!(numbers(&second), (BATCH_MAX..100).collect::<Vec<_>>());
+    }
+}
+
+#[cfg(test)]
+mod audited_rate {
+    use super::significant;
+
+    #[test]
+    fn a_small_rate_keeps_three_significant_digits() {
+        assert_eq!(significant(7.9233), "7.923");
+        assert_eq!(significant(0.5), "0.500");
+        assert_eq!(significant(1.0 / 3600.0), "0.000278");
+        assert_eq!(significant(0.0), "0.000");
     }
 }

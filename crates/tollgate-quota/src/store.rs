@@ -326,10 +326,21 @@ fn parsed<T: std::str::FromStr>(
         .transpose()
 }
 
-/// A rate per second as people read it: `8.16/s`.
+/// A rate per second as people read it: `8.16/s`, or per minute or per
+/// hour when it is less than one a second (`0.97/h`, not `0/s`).
 pub fn per_second(rate: f64) -> String {
-    let text = format!("{rate:.2}");
-    format!("{}/s", text.trim_end_matches('0').trim_end_matches('.'))
+    let (count, unit) = if rate >= 1.0 {
+        (rate, "s")
+    } else if rate * 60.0 >= 1.0 {
+        (rate * 60.0, "m")
+    } else {
+        (rate * 3600.0, "h")
+    };
+    let text = format!("{count:.2}");
+    format!(
+        "{}/{unit}",
+        text.trim_end_matches('0').trim_end_matches('.')
+    )
 }
 
 /// One audited change.
@@ -583,6 +594,7 @@ impl QuotaStore {
         learning.probe_wait = micros("probe_wait")?.unwrap_or(0);
         learning.cool_until = micros("cool")?.unwrap_or(0);
         learning.throttled_at = micros("throttled")?;
+        learning.unproven = float("unproven")?.is_some_and(|t| t == 1.0);
         learning.window = match micros("win")? {
             Some(start) => Some((start, micros("n")?.unwrap_or(0) as u32)),
             None => None,
@@ -978,4 +990,19 @@ fn serde_json_map(json: &str) -> Option<HashMap<String, String>> {
 
 fn json_string(s: &str) -> String {
     serde_json::Value::String(s.to_owned()).to_string()
+}
+
+#[cfg(test)]
+mod shown {
+    use super::per_second;
+
+    #[test]
+    fn a_rate_below_one_a_second_is_shown_per_minute_or_hour() {
+        assert_eq!(per_second(8.16), "8.16/s");
+        assert_eq!(per_second(20.0), "20/s");
+        assert_eq!(per_second(1.0 / 60.0), "1/m");
+        assert_eq!(per_second(0.5), "30/m");
+        assert_eq!(per_second(17.0 / 3600.0), "17/h");
+        assert_eq!(per_second(0.97 / 3600.0), "0.97/h");
+    }
 }

@@ -87,10 +87,48 @@ struct Inner {
     parked: IntCounterVec,
     dead_letters: IntCounterVec,
     tier_publishes: IntCounterVec,
-    effective_rate: GaugeVec,
-    route_effective_rate: GaugeVec,
+    effective_rate: LearnedRates,
+    route_effective_rate: LearnedRates,
     in_flight: IntGauge,
     consuming: IntGauge,
+}
+
+/// The rates adaptive quotas learned, by tenant or route. A label goes once
+/// its quota is seen not to adapt any more: a dashboard would otherwise show
+/// a learned rate above the plain quota now enforced, as long as the pod runs.
+struct LearnedRates {
+    gauge: GaugeVec,
+    /// The labels this pod shows.
+    shown: Mutex<HashSet<String>>,
+}
+
+impl LearnedRates {
+    fn new(gauge: GaugeVec) -> Self {
+        Self {
+            gauge,
+            shown: Default::default(),
+        }
+    }
+
+    /// `rate`: what a completion learned; `None` after a sent job, whose
+    /// permit found the quota not adaptive.
+    fn record(&self, label: &str, rate: Option<f64>) {
+        let mut shown = self.shown.lock().expect("never poisoned");
+        match rate {
+            Some(rate) => {
+                self.gauge.with_label_values(&[label]).set(rate);
+                if !shown.contains(label) {
+                    shown.insert(label.to_owned());
+                }
+            }
+            None => {
+                if shown.remove(label) {
+                    // Already gone only if another label mapped here.
+                    let _ = self.gauge.remove_label_values(&[label]);
+                }
+            }
+        }
+    }
 }
 
 /// Cheap to clone; every worker task records through the same handle.
@@ -257,18 +295,18 @@ impl Metrics {
                 "Copies published to a delay tier, by tier; a long wait takes several hops through the tiers.",
                 &["tier"],
             ),
-            effective_rate: gauge(
+            effective_rate: LearnedRates::new(gauge(
                 r,
                 "tollgate_quota_effective_rate",
-                "The rate (per second) a tenant's adaptive quota enforces now, as learned from the provider's 429s; the configured rate is its ceiling. Set at each of the tenant's completions on this pod.",
+                "The rate (per second) a tenant's adaptive quota enforces now, as learned from the provider's 429s; the configured rate is its ceiling. Set at each of the tenant's completions on this pod; gone at its first sent job after its quota stops adapting.",
                 &["tenant"],
-            ),
-            route_effective_rate: gauge(
+            )),
+            route_effective_rate: LearnedRates::new(gauge(
                 r,
                 "tollgate_route_effective_rate",
-                "The rate (per second) a route's adaptive quota (one provider account) enforces now.",
+                "The rate (per second) a route's adaptive quota (one provider account) enforces now; gone at the route's first sent job after its quota stops adapting.",
                 &["route"],
-            ),
+            )),
             in_flight,
             consuming,
             registry,
@@ -325,16 +363,18 @@ impl Metrics {
         self.0.late_permits.with_label_values(&[tenant]).inc();
     }
 
-    /// What an adaptive quota learned from a completion.
-    pub fn learned(&self, tenant: &str, route: &str, learned: Learned) {
-        if let Some(rate) = learned.tenant {
-            self.0.effective_rate.with_label_values(&[tenant]).set(rate);
-        }
-        if let Some(rate) = learned.route {
-            self.0
-                .route_effective_rate
-                .with_label_values(&[route])
-                .set(rate);
+    /// What adaptive quotas learned from a completion. After a sent job
+    /// (`sent`), a quota that learned nothing does not adapt (its permit
+    /// found it plain), and its gauge goes; after a 429, nothing learned
+    /// says only that the other quota was blamed.
+    pub fn learned(&self, tenant: &str, route: &str, learned: Learned, sent: bool) {
+        for (rates, label, rate) in [
+            (&self.0.effective_rate, tenant, learned.tenant),
+            (&self.0.route_effective_rate, route, learned.route),
+        ] {
+            if rate.is_some() || sent {
+                rates.record(label, rate);
+            }
         }
     }
 
@@ -441,6 +481,33 @@ mod tests {
                 .render()
                 .contains("tollgate_tenant_label_overflow_total 1")
         );
+    }
+
+    #[test]
+    fn a_learned_rate_goes_once_its_quota_stops_adapting() {
+        let metrics = Metrics::new(50, &[]);
+        let learned = Learned {
+            tenant: Some(7.92),
+            route: Some(0.000278),
+        };
+        metrics.learned("acme", "email", learned, true);
+        let text = metrics.render();
+        assert!(text.contains("tollgate_quota_effective_rate{tenant=\"acme\"} 7.92"));
+        assert!(text.contains("tollgate_route_effective_rate{route=\"email\"} 0.000278"));
+        // A 429 blamed on the route teaches the tenant nothing: it stays.
+        let route_only = Learned {
+            tenant: None,
+            route: Some(5.0),
+        };
+        metrics.learned("acme", "email", route_only, false);
+        assert!(metrics.render().contains("{tenant=\"acme\"} 7.92"));
+        // A sent job whose permit found the tenant's quota plain.
+        metrics.learned("acme", "email", route_only, true);
+        let text = metrics.render();
+        assert!(!text.contains("{tenant=\"acme\"}"), "{text}");
+        assert!(text.contains("{route=\"email\"} 5"));
+        metrics.learned("acme", "email", Learned::default(), true);
+        assert!(!metrics.render().contains("{route=\"email\"}"));
     }
 
     #[test]

@@ -1120,10 +1120,11 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
             let error = match self.permits.complete(request, used, penalty).await {
                 Ok(learned) => {
                     self.redis_health.up();
-                    if learned != Learned::default() {
+                    let sent = matches!(used, PermitUse::Sent) && penalty.is_none();
+                    if sent || learned != Learned::default() {
                         let tenant = self.metrics.tenant(request.tenant.as_str());
                         self.metrics
-                            .learned(&tenant, request.route.as_str(), learned);
+                            .learned(&tenant, request.route.as_str(), learned, sent);
                     }
                     return;
                 }

@@ -11,8 +11,8 @@
 -- which holds after two windows), resume (1 when the next probe resumes a
 -- climb whose later step failed: no trial), failed (the lowest rate a step
 -- of the climb under way failed at: its later steps stop short of it),
--- probe_at, probe_wait, cool, throttled, win, n, changed, audited,
--- audited_at (times in µs).
+-- probe_at, probe_wait, cool, throttled, unproven (1 while no window has
+-- held since that 429), win, n, changed, audited, audited_at (times in µs).
 
 local ADAPT_WINDOW_US = 2000000
 local ADAPT_STORM_US = 3 * ADAPT_WINDOW_US
@@ -37,7 +37,7 @@ local function adapt_limits(quota_key)
 end
 
 local ADAPT_FIELDS = {'rate', 'good', 'step', 'trial', 'resume', 'failed', 'probe_at', 'probe_wait', 'cool', 'throttled',
-  'win', 'n', 'changed', 'audited', 'audited_at'}
+  'unproven', 'win', 'n', 'changed', 'audited', 'audited_at'}
 
 local function adapt_load(key, l)
   local f = redis.call('HMGET', key, unpack(ADAPT_FIELDS))
@@ -88,7 +88,10 @@ local function adapt_throttled(l, s, now)
   if now < s.cool then return false end
   s.trial, s.resume = nil, nil
   local rate = adapt_effective(l, s)
-  local storm = s.throttled and now < s.throttled + ADAPT_STORM_US
+  -- A storm: a second 429 within 6 s of the last, or before a window has
+  -- held since it (a long Retry-After, or a slow quota's spacing, puts a
+  -- falling limit's 429s further apart).
+  local storm = s.unproven or (s.throttled and now < s.throttled + ADAPT_STORM_US)
   local new
   if s.good and s.good < rate then
     -- A probe above what held failed: back to it, and wait. Its 429 says
@@ -107,15 +110,15 @@ local function adapt_throttled(l, s, now)
     return adapt_set(s, adapt_effective(l, {rate = new}), rate, now)
   elseif s.good and not storm then
     -- A lone 429 at a rate that held: it sits at the provider's edge, where
-    -- send jitter alone crosses it. One step back.
-    new = adapt_effective(l, {rate = rate * (1 - l.increase)})
+    -- send jitter alone crosses it. One step back: the inverse of a step up.
+    new = adapt_effective(l, {rate = rate / (1 + l.increase)})
     s.good = new
     adapt_settle(l, s, now)
   else
     -- The limit fell (a storm), or nothing has held yet.
     s.good, s.failed, s.step, s.probe_wait, new = nil, nil, l.increase, 0, rate * l.decrease
   end
-  s.throttled = now
+  s.throttled, s.unproven = now, 1
   -- The 429s answering sends made before this change are one burst.
   s.cool, s.win, s.n = now + ADAPT_WINDOW_US, now, 0
   return adapt_set(s, adapt_effective(l, {rate = new}), rate, now)
@@ -138,6 +141,7 @@ local function adapt_sent(l, s, now)
   local used = sent * 1e6 / elapsed
   -- A rate the tenant does not use is never raised.
   if now < s.cool or used < ADAPT_EXERCISED * rate then return false end
+  s.unproven = nil
   if s.trial then
     -- A probe's first step: its first window held, one more before it counts.
     s.trial = nil
@@ -178,14 +182,14 @@ local function adapt_audit(l, s, now)
   return last, rate
 end
 
--- Thousandths, as the replies carry rates.
-local function adapt_milli(rate) return math.floor(rate * 1000 + 0.5) end
+-- Millionths, as the replies carry rates (integers): 1/h is 278 of them.
+local function adapt_micro(rate) return math.floor(rate * 1e6 + 0.5) end
 
 -- One outcome for one adaptive target ('sent' or 'throttled'): learns from
--- it and returns the effective rate in thousandths per second (-1 when the
+-- it and returns the effective rate in millionths per second (-1 when the
 -- quota does not adapt; then nothing else is read, not even the clock),
 -- and, when the change is large enough to be audited, the rates the entry
--- shows (old, new, in thousandths) and when (ms). The caller appends the
+-- shows (old, new, in millionths) and when (ms). The caller appends the
 -- entry: the audit stream lives outside the target's slot.
 local function adapt_learn(quota_key, adapt_key, outcome, now_override)
   local l = adapt_limits(quota_key)
@@ -195,8 +199,8 @@ local function adapt_learn(quota_key, adapt_key, outcome, now_override)
   if outcome == 'throttled' then adapt_throttled(l, s, now) else adapt_sent(l, s, now) end
   local last, rate = adapt_audit(l, s, now)
   adapt_save(adapt_key, s)
-  local effective = adapt_milli(adapt_effective(l, s))
-  if last then return effective, adapt_milli(last), adapt_milli(rate), math.floor(now / 1000) end
+  local effective = adapt_micro(adapt_effective(l, s))
+  if last then return effective, adapt_micro(last), adapt_micro(rate), math.floor(now / 1000) end
   return effective
 end
 

@@ -21,7 +21,7 @@
 -- (tests only; "" = Redis TIME), whom the penalty pauses ("tenant",
 -- "route", or "elsewhere": the route, from its own slot).
 -- Reply: {1, tenant's effective rate, route's effective rate, tenant audit
--- old, new, route audit old, new, audit at}: rates in thousandths per
+-- old, new, route audit old, new, audit at}: rates in millionths per
 -- second, -1 where the quota does not adapt; an adjustment to audit (old
 -- and new rate, -1 when none) and when (ms). The caller appends the
 -- entries: the audit stream lives outside the tenant's slot.

@@ -87,7 +87,11 @@
 
   function effectiveText(q) {
     if (!q.adaptive) return "";
-    return q.effective_rate_per_s == null ? "(learning)" : q.effective_rate_per_s.toFixed(2) + "/s";
+    const r = q.effective_rate_per_s;
+    if (r == null) return "(learning)";
+    // Per minute or per hour below one a second (a 1/h quota's 0.97/h, not 0.00/s).
+    const [n, unit] = r >= 1 ? [r, "s"] : r * 60 >= 1 ? [r * 60, "m"] : [r * 3600, "h"];
+    return String(Number(n.toFixed(2))) + "/" + unit;
   }
 
   function lagText(p95) {
