@@ -1,7 +1,7 @@
 //! Provider failures: retries with backoff end as `exhausted`, other 4xx
 //! as `rejected` at once, and a 429 parks the job until Retry-After.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use std::sync::Arc;
 use tollgate_tests::{FakeProvider, Reply, TestEnv, wait_for};
@@ -17,6 +17,11 @@ async fn failures_retry_then_exhaust_rejections_stop_and_429s_wait() {
             "gone" => Reply::status(408),
             "bad" => Reply::status(422),
             "busy" if earlier == 0 => Reply::throttled("1"),
+            // Down for maintenance, and says for how long.
+            "down" if earlier == 0 => Reply {
+                retry_after: Some("3".into()),
+                ..Reply::status(503)
+            },
             _ => Reply::ok(),
         },
     ))
@@ -24,7 +29,7 @@ async fn failures_retry_then_exhaust_rejections_stop_and_429s_wait() {
     .unwrap();
     let env = TestEnv::new(&provider.url()).await;
     let worker = env.spawn_worker_with(|c| c.provider_timeout_ms = 300).await;
-    for tenant in ["flaky", "timeout", "gone", "bad", "busy"] {
+    for tenant in ["flaky", "timeout", "gone", "bad", "busy", "down"] {
         env.publish(tenant, 1, |_| {}).await;
     }
 
@@ -32,17 +37,19 @@ async fn failures_retry_then_exhaust_rejections_stop_and_429s_wait() {
         env.dead_letters().await.len() >= 4
     })
     .await;
-    wait_for(
-        "the throttled job to be sent",
-        Duration::from_secs(30),
-        || async {
-            provider
-                .received()
-                .iter()
-                .any(|r| r.tenant == "busy" && r.status == 200)
-        },
-    )
-    .await;
+    for tenant in ["busy", "down"] {
+        wait_for(
+            "the throttled and the unavailable job to be sent",
+            Duration::from_secs(30),
+            || async {
+                provider
+                    .received()
+                    .iter()
+                    .any(|r| r.tenant == tenant && r.status == 200)
+            },
+        )
+        .await;
+    }
 
     let received = provider.received();
     let calls =
@@ -68,7 +75,38 @@ async fn failures_retry_then_exhaust_rejections_stop_and_429s_wait() {
         "Retry-After: 1 honoured, waited {waited:?}"
     );
 
+    // A 503's Retry-After is a floor for the next attempt (the backoff
+    // alone retried it within a second, and a maintenance window used up
+    // every attempt).
+    let down = calls("down");
+    assert_eq!(down.len(), 2);
+    assert_eq!((down[0].status, down[1].attempt), (503, 2));
+    let waited = down[1].instant.duration_since(down[0].instant);
+    assert!(
+        waited >= Duration::from_secs(3),
+        "Retry-After: 3 on a 503 honoured, waited {waited:?}"
+    );
+
     let letters = env.dead_letters().await;
+    // The dead letter says what the last attempt met: whether the provider
+    // may have done the job decides whether a replay is safe.
+    let detail_of = |tenant: &str| {
+        letters
+            .iter()
+            .find(|l| l.tenant == tenant)
+            .map(|l| l.detail.clone())
+            .unwrap_or_default()
+    };
+    assert_eq!(
+        detail_of("flaky"),
+        "gave up after 3 failed attempts; the last: provider answered 500"
+    );
+    assert!(
+        detail_of("timeout")
+            .ends_with("no answer within the provider timeout (it may have done it)"),
+        "{}",
+        detail_of("timeout")
+    );
     let reason_of = |tenant: &str| {
         letters
             .iter()
@@ -92,7 +130,7 @@ async fn failures_retry_then_exhaust_rejections_stop_and_429s_wait() {
     );
     assert_eq!(
         m.counter_sum("tollgate_provider_requests_total", &[("outcome", "failed")]),
-        9.0
+        10.0
     );
     assert_eq!(
         m.counter_sum(
@@ -254,6 +292,110 @@ async fn no_send_before_retry_after_whatever_the_burst_or_the_header() {
             "{tenant}: a 429 uses no attempt"
         );
     }
+    worker.stop().await.unwrap();
+    env.cleanup().await;
+}
+
+/// A provider that reads each request whole and, the first time, closes the
+/// connection without answering, as one that crashed (or whose proxy cut the
+/// line) while it worked on the request; it answers 200 to every request
+/// after. Returns its URL and, per request, when it came and its attempt.
+async fn provider_cutting_the_first_call() -> (String, Arc<std::sync::Mutex<Vec<(Instant, String)>>>)
+{
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}/send", listener.local_addr().unwrap());
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let log = Arc::clone(&seen);
+    tokio::spawn(async move {
+        while let Ok((mut socket, _)) = listener.accept().await {
+            let log = Arc::clone(&log);
+            tokio::spawn(async move {
+                let mut request = Vec::new();
+                let mut buf = [0u8; 4096];
+                // Headers, then the body its Content-Length announces.
+                let (head, length) = loop {
+                    let Ok(n) = socket.read(&mut buf).await else {
+                        return;
+                    };
+                    if n == 0 {
+                        return;
+                    }
+                    request.extend_from_slice(&buf[..n]);
+                    if let Some(end) = request.windows(4).position(|w| w == b"\r\n\r\n") {
+                        let head = String::from_utf8_lossy(&request[..end]).to_lowercase();
+                        let length = head
+                            .lines()
+                            .find_map(|l| l.strip_prefix("content-length:"))
+                            .and_then(|v| v.trim().parse::<usize>().ok())
+                            .unwrap_or(0);
+                        break (end + 4, length);
+                    }
+                };
+                while request.len() < head + length {
+                    let Ok(n) = socket.read(&mut buf).await else {
+                        return;
+                    };
+                    if n == 0 {
+                        return;
+                    }
+                    request.extend_from_slice(&buf[..n]);
+                }
+                let text = String::from_utf8_lossy(&request[..head]).to_lowercase();
+                let attempt = text
+                    .lines()
+                    .find_map(|l| l.strip_prefix("x-tollgate-attempt:"))
+                    .map(|v| v.trim().to_owned())
+                    .unwrap_or_default();
+                let first = {
+                    let mut log = log.lock().unwrap();
+                    log.push((Instant::now(), attempt));
+                    log.len() == 1
+                };
+                if !first {
+                    let _ = socket
+                        .write_all(
+                            b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\nconnection: close\r\n\r\n",
+                        )
+                        .await;
+                }
+                // The first: dropped here, unanswered.
+            });
+        }
+    });
+    (url, seen)
+}
+
+/// A connection that breaks after the request went out may have reached a
+/// provider that is still working on it: like a timeout, its lease is kept
+/// until it expires, so no copy with the same key calls meanwhile. Retried
+/// at once (0.1–0.8 s later, found in review), a provider that answers
+/// "key in use" (409) to an overlap had the job dead-lettered as
+/// `rejected` while it finished it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_cut_after_the_request_went_out_is_retried_after_its_lease() {
+    let (url, seen) = provider_cutting_the_first_call().await;
+    let env = TestEnv::new(&url).await;
+    let worker = env.spawn_worker_with(|c| c.provider_timeout_ms = 300).await;
+    env.publish("cut", 1, |_| {}).await;
+    wait_for("the retried call", Duration::from_secs(30), || async {
+        seen.lock().unwrap().len() >= 2
+    })
+    .await;
+    wait_for("the job to settle", Duration::from_secs(10), || async {
+        env.pending().await == 0
+    })
+    .await;
+    let seen = seen.lock().unwrap().clone();
+    assert_eq!(seen.len(), 2, "cut once, then sent");
+    assert_eq!((seen[0].1.as_str(), seen[1].1.as_str()), ("1", "2"));
+    let waited = seen[1].0.duration_since(seen[0].0);
+    // The lease: the provider timeout (300 ms) and 5 s.
+    assert!(
+        waited >= Duration::from_millis(5_000),
+        "retried {waited:?} after the cut call"
+    );
+    assert!(env.dead_letters().await.is_empty());
     worker.stop().await.unwrap();
     env.cleanup().await;
 }

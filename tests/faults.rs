@@ -1122,3 +1122,43 @@ async fn a_dead_letter_read_or_replay_outliving_its_request_runs_to_its_end() {
     assert!(env.dead_letters().await.is_empty());
     env.cleanup().await;
 }
+
+/// A job that shutdown stops before its provider call (too late in the
+/// grace period to begin one) is parked for the next pod, its progress
+/// with it. It used to be handed back to the queue, which counts as a
+/// delivery that never settled: at `delivery_limit = 1` one such shutdown
+/// dead-lettered it as `poison` (found in review at the default limit of
+/// 5, after five shutdowns in a row) though it never reached the provider.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_stopped_by_shutdown_before_its_call_is_parked_not_counted_as_poison() {
+    let provider = FakeProvider::start(fake_provider::slow_ok(Duration::from_millis(1_500)))
+        .await
+        .unwrap();
+    let env = TestEnv::new_with(&provider.url(), |c| c.delivery_limit = 1).await;
+    let one_call = |c: &mut tollgate::config::Config| {
+        c.concurrency = 1;
+        c.provider_timeout_ms = 3_000;
+        // Shorter than the provider timeout: no call begins once stopping.
+        c.shutdown_grace_ms = 2_000;
+    };
+    let worker = env.spawn_worker_with(one_call).await;
+    let jobs = env.publish("stopped", 2, |_| {}).await;
+    wait_for("the first call", Duration::from_secs(10), || async {
+        !provider.received().is_empty()
+    })
+    .await;
+    // The second job waits for the one call slot; stop meanwhile.
+    worker.stop().await.unwrap();
+    assert_eq!(provider.received().len(), 1, "no call began after the stop");
+
+    let worker = env.spawn_worker_with(one_call).await;
+    wait_for("both jobs sent", Duration::from_secs(20), || async {
+        provider.accepted() >= 2
+    })
+    .await;
+    let (sent, repeats) = effects(&provider.received());
+    assert_eq!(sent, ids(&jobs));
+    assert_eq!(repeats, 0);
+    assert!(env.dead_letters().await.is_empty());
+    env.stop_when_drained([worker]).await;
+}

@@ -1126,7 +1126,13 @@ fn the_pods_tallies_add_up_in_the_tenants_figures() {
                     calls: vec![
                         calls(
                             &tallied,
-                            &[(sent.clone(), Some(5)), (ProviderOutcome::Failed, None)],
+                            &[
+                                (sent.clone(), Some(5)),
+                                (
+                                    ProviderOutcome::Failed(tollgate_core::Failure::Timeout),
+                                    None,
+                                ),
+                            ],
                         ),
                         calls(&other, &[(sent, None)]),
                     ],

@@ -24,7 +24,7 @@ pub use adaptive::{Adaptive, Learning, Tuning};
 pub use clock::{Clock, UnixMillis};
 pub use ids::{IdempotencyKey, JobId, Kind, TenantId};
 pub use job::{Job, Malformed, Priority, Progress};
-pub use outcome::{DeadReason, ParkReason, ProviderOutcome};
+pub use outcome::{DeadReason, Failure, ParkReason, ProviderOutcome};
 pub use quota::{MAX_WEIGHT, Quota, Rate, concurrency, default_burst, weight};
 pub use run::{Action, Completion, Eligibility, JobRun, PermitDecision, Policy, Shadow};
 pub use secret::{Secret, SecretUrl, redact_url};

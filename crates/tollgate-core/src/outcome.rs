@@ -92,7 +92,7 @@ pub enum ProviderOutcome {
     /// 429; `retry_after` from the `Retry-After` header when it was valid.
     Throttled { retry_after: Option<Duration> },
     /// 408, 5xx, timeout or connection error: retried with backoff.
-    Failed,
+    Failed(Failure),
     /// A redirect (3xx), any other 4xx, and anything else unexpected: not
     /// retried. A redirect is never followed: it would turn the POST into a
     /// GET (losing the payload) or re-post the payload and its
@@ -110,7 +110,7 @@ impl ProviderOutcome {
         match self {
             Self::Sent => "sent",
             Self::Throttled { .. } => "throttled",
-            Self::Failed => "failed",
+            Self::Failed(_) => "failed",
             Self::Rejected { .. } => "rejected",
         }
     }
@@ -127,8 +127,83 @@ pub enum ProviderResponse {
     },
     /// No answer within the provider timeout.
     Timeout,
-    /// Could not connect, or the connection broke.
-    Transport,
+    /// The connection broke after the request went out, before an answer.
+    Broken,
+    /// Could not connect: the request never left.
+    Unreachable,
+}
+
+impl ProviderResponse {
+    /// Whether the provider may still be working on a call it did not
+    /// accept: no answer came (a timeout, a connection lost after the
+    /// request went out), or a gateway gave up waiting for it (504). Such a
+    /// call keeps its lease until the lease expires, so no copy with the
+    /// same key calls meanwhile: retried at once, a provider that answers
+    /// "key in use" (409) would have it dead-lettered while it finishes it.
+    pub fn may_be_working(&self) -> bool {
+        matches!(
+            self,
+            Self::Timeout | Self::Broken | Self::Status { status: 504, .. }
+        )
+    }
+}
+
+/// Why a provider call failed (and will be retried): said in the log and,
+/// once the attempts are used up, in the dead letter's detail, so an
+/// on-call engineer knows whether the provider may have done it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Failure {
+    /// 408 or 5xx, with the `Retry-After` it carried: a 503's "down for
+    /// this long", which the next attempt waits at least.
+    Status {
+        status: u16,
+        retry_after: Option<Duration>,
+    },
+    Timeout,
+    Broken,
+    Unreachable,
+}
+
+impl Failure {
+    /// The wait the provider asked for before the next attempt.
+    pub fn retry_after(&self) -> Option<Duration> {
+        match self {
+            Self::Status { retry_after, .. } => *retry_after,
+            _ => None,
+        }
+    }
+}
+
+impl std::fmt::Display for Failure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Status {
+                status: 504,
+                retry_after: _,
+            } => f.write_str(
+                "provider answered 504 (a gateway gave up waiting: it may have done it)",
+            ),
+            Self::Status {
+                status,
+                retry_after: None,
+            } => write!(f, "provider answered {status}"),
+            Self::Status {
+                status,
+                retry_after: Some(wait),
+            } => write!(
+                f,
+                "provider answered {status} with Retry-After {} s",
+                wait.as_secs_f64()
+            ),
+            Self::Timeout => {
+                f.write_str("no answer within the provider timeout (it may have done it)")
+            }
+            Self::Broken => f.write_str(
+                "the connection broke after the request went out (the provider may have done it)",
+            ),
+            Self::Unreachable => f.write_str("could not connect to the provider"),
+        }
+    }
 }
 
 /// Longest `Retry-After` honoured; a provider asking for more is capped so a
@@ -140,7 +215,9 @@ pub const MAX_RETRY_AFTER: Duration = Duration::from_secs(3600);
 /// redirects included, `rejected`.
 pub fn classify(response: &ProviderResponse, now: UnixMillis) -> ProviderOutcome {
     match response {
-        ProviderResponse::Timeout | ProviderResponse::Transport => ProviderOutcome::Failed,
+        ProviderResponse::Timeout => ProviderOutcome::Failed(Failure::Timeout),
+        ProviderResponse::Broken => ProviderOutcome::Failed(Failure::Broken),
+        ProviderResponse::Unreachable => ProviderOutcome::Failed(Failure::Unreachable),
         ProviderResponse::Status {
             status,
             retry_after,
@@ -152,7 +229,12 @@ pub fn classify(response: &ProviderResponse, now: UnixMillis) -> ProviderOutcome
                     .as_deref()
                     .and_then(|v| parse_retry_after(v, now)),
             },
-            408 | 500..=599 => ProviderOutcome::Failed,
+            408 | 500..=599 => ProviderOutcome::Failed(Failure::Status {
+                status: *status,
+                retry_after: retry_after
+                    .as_deref()
+                    .and_then(|v| parse_retry_after(v, now)),
+            }),
             status => ProviderOutcome::Rejected {
                 status,
                 location: location.as_deref().map(printable),
@@ -181,28 +263,46 @@ pub fn without_controls(value: &str) -> String {
 /// Parses `Retry-After` as delta-seconds or an HTTP date, relative to `now`.
 /// Beyond the standard, as providers send it: fractional seconds (`1.5`,
 /// rounded up to the millisecond, never shorter than asked), more digits
-/// than a `u64` holds (the cap), and a list from repeated headers (`5, 30`:
-/// the longest). Anything else is `None` (the caller's default wait).
+/// than a `u64` holds (the cap), and a list from repeated headers (`5, 30`,
+/// or `2, Sun, 06 Dec 2026 15:05:57 GMT`: the longest of those that read,
+/// an empty or garbled one among them passed over). Nothing that reads is
+/// `None` (the caller's default wait).
 pub fn parse_retry_after(value: &str, now: UnixMillis) -> Option<Duration> {
-    let value = value.trim();
-    let wait = match delay_seconds(value) {
-        Some(wait) => wait,
-        None => match httpdate::parse_http_date(value) {
-            Ok(at) => {
-                let at_ms = at.duration_since(UNIX_EPOCH).ok()?.as_millis() as i64;
-                now.until(UnixMillis(at_ms))
-            }
-            // Not a date (whose own commas would split it): a list.
-            Err(_) if value.contains(',') => value
-                .split(',')
-                .map(|part| delay_seconds(part.trim()))
-                .collect::<Option<Vec<_>>>()?
-                .into_iter()
-                .max()?,
-            Err(_) => return None,
-        },
-    };
+    let wait = list_items(value)
+        .filter_map(|item| one_retry_after(&item, now))
+        .max()?;
     Some(wait.min(MAX_RETRY_AFTER))
+}
+
+/// One value: delta-seconds or an HTTP date.
+fn one_retry_after(value: &str, now: UnixMillis) -> Option<Duration> {
+    delay_seconds(value).or_else(|| {
+        let at = httpdate::parse_http_date(value).ok()?;
+        let at_ms = at.duration_since(UNIX_EPOCH).ok()?.as_millis() as i64;
+        Some(now.until(UnixMillis(at_ms)))
+    })
+}
+
+/// The items of a comma-separated header list, trimmed. An HTTP date has a
+/// comma of its own after its weekday (`Sun, 06 Dec 2026 …`, RFC 850's
+/// `Sunday, 06-Dec-26 …`): a weekday is joined to the item after it.
+fn list_items(value: &str) -> impl Iterator<Item = String> + '_ {
+    const DAYS: [&str; 7] = ["mon", "tue", "wed", "thu", "fri", "sat", "sun"];
+    let is_weekday = |item: &str| {
+        let item = item.to_ascii_lowercase();
+        DAYS.iter()
+            .any(|d| item.starts_with(d) && item.bytes().all(|b| b.is_ascii_alphabetic()))
+    };
+    let mut parts = value.split(',').map(str::trim);
+    std::iter::from_fn(move || {
+        let part = parts.next()?;
+        if is_weekday(part)
+            && let Some(rest) = parts.next()
+        {
+            return Some(format!("{part}, {rest}"));
+        }
+        Some(part.to_owned())
+    })
 }
 
 /// `Retry-After`'s delta-seconds, whole or fractional, with an optional `+`.
@@ -256,17 +356,35 @@ mod tests {
             classify(&status(429), now),
             ProviderOutcome::Throttled { retry_after: None }
         );
-        assert_eq!(classify(&status(408), now), ProviderOutcome::Failed);
-        assert_eq!(classify(&status(500), now), ProviderOutcome::Failed);
-        assert_eq!(classify(&status(503), now), ProviderOutcome::Failed);
+        for code in [408, 500, 503, 504] {
+            assert_eq!(
+                classify(&status(code), now),
+                ProviderOutcome::Failed(Failure::Status {
+                    status: code,
+                    retry_after: None
+                })
+            );
+        }
+        let unavailable = ProviderResponse::Status {
+            status: 503,
+            retry_after: Some("120".into()),
+            location: None,
+        };
         assert_eq!(
-            classify(&ProviderResponse::Timeout, now),
-            ProviderOutcome::Failed
+            classify(&unavailable, now),
+            ProviderOutcome::Failed(Failure::Status {
+                status: 503,
+                retry_after: Some(Duration::from_secs(120))
+            }),
+            "a 503's Retry-After is kept for the next attempt's wait"
         );
-        assert_eq!(
-            classify(&ProviderResponse::Transport, now),
-            ProviderOutcome::Failed
-        );
+        for (response, failure) in [
+            (ProviderResponse::Timeout, Failure::Timeout),
+            (ProviderResponse::Broken, Failure::Broken),
+            (ProviderResponse::Unreachable, Failure::Unreachable),
+        ] {
+            assert_eq!(classify(&response, now), ProviderOutcome::Failed(failure));
+        }
         for code in [400, 404, 302] {
             assert_eq!(
                 classify(&status(code), now),
@@ -336,8 +454,41 @@ mod tests {
             Some(ms(7_000)),
             "a date's own comma is not a list"
         );
-        for odd in ["", "-1", "1e3", ".5", "5,", "5, soon", "1.2.3", "NaN"] {
+        for odd in ["", "-1", "1e3", ".5", ",", "soon, later", "1.2.3", "NaN"] {
             assert_eq!(parse_retry_after(odd, now), None, "{odd:?}");
         }
+    }
+
+    /// Repeated headers, each value kept whole and joined as a list: a
+    /// date among them, or an empty one, used to throw the whole list away
+    /// (the 1 s default, up to 5 s earlier than the provider asked).
+    #[test]
+    fn a_list_of_retry_afters_waits_for_the_longest_that_reads() {
+        let now = UnixMillis(1_796_115_600_000);
+        let at = |secs| http_date(now.saturating_add(Duration::from_secs(secs)));
+        let wait = |v: &str| parse_retry_after(v, now);
+        assert_eq!(wait(&format!("2, {}", at(6))), Some(Duration::from_secs(6)));
+        assert_eq!(wait(&format!("{}, 2", at(6))), Some(Duration::from_secs(6)));
+        assert_eq!(
+            wait(&format!("{}, {}", at(4), at(6))),
+            Some(Duration::from_secs(6))
+        );
+        assert_eq!(wait("6, "), Some(Duration::from_secs(6)));
+        assert_eq!(wait("5, soon"), Some(Duration::from_secs(5)));
+        assert_eq!(
+            wait("Tuesday, 01-Dec-26 09:00:09 GMT, 3"),
+            Some(Duration::from_secs(9)),
+            "RFC 850's date"
+        );
+    }
+
+    #[test]
+    fn a_call_the_provider_may_still_be_working_on_is_told_apart() {
+        assert!(ProviderResponse::Timeout.may_be_working());
+        assert!(ProviderResponse::Broken.may_be_working());
+        assert!(status(504).may_be_working());
+        assert!(!ProviderResponse::Unreachable.may_be_working());
+        assert!(!status(503).may_be_working());
+        assert!(!status(500).may_be_working());
     }
 }

@@ -436,16 +436,24 @@ impl JobRun {
                 policy.throttle_wait(retry_after),
                 ParkReason::Throttled,
             ),
-            ProviderOutcome::Failed => {
+            ProviderOutcome::Failed(failure) => {
                 self.progress.attempt = self.progress.attempt.saturating_add(1);
                 let failures = self.progress.attempt;
                 if failures >= policy.max_attempts {
                     return Action::DeadLetter {
                         reason: DeadReason::Exhausted,
-                        detail: format!("gave up after {failures} failed attempts"),
+                        detail: format!(
+                            "gave up after {failures} failed attempts; the last: {failure}"
+                        ),
                     };
                 }
-                let wait = policy.backoff.delay(failures, jitter);
+                // At least as long as the provider asked (a 503 "down for
+                // two minutes"): retried sooner, a maintenance window used
+                // up every attempt in a minute.
+                let wait = policy
+                    .backoff
+                    .delay(failures, jitter)
+                    .max(failure.retry_after().unwrap_or_default());
                 self.begin_wait(policy, now, wait, ParkReason::Backoff)
             }
             ProviderOutcome::Rejected { status, location } => Action::DeadLetter {
@@ -601,6 +609,7 @@ impl JobRun {
 mod tests {
     use super::*;
     use crate::job::{Limits, decode};
+    use crate::outcome::Failure;
     use proptest::prelude::*;
 
     const GRANTED: PermitDecision = PermitDecision::Granted {
@@ -959,7 +968,7 @@ mod tests {
             let now = at(i64::from(attempt) * 100_000);
             run.on_permit(&p, GRANTED, now, now, 0.5);
             assert_eq!(run.attempt(), attempt);
-            let a = run.on_provider(&p, ProviderOutcome::Failed, now, 0.99);
+            let a = run.on_provider(&p, ProviderOutcome::Failed(Failure::Timeout), now, 0.99);
             if attempt < 3 {
                 let ceiling = p.backoff.ceiling(attempt);
                 match a {
@@ -973,11 +982,36 @@ mod tests {
                     a,
                     Action::DeadLetter {
                         reason: DeadReason::Exhausted,
-                        detail: "gave up after 3 failed attempts".into(),
+                        detail: "gave up after 3 failed attempts; the last: no answer within the \
+                                 provider timeout (it may have done it)"
+                            .into(),
                     }
                 );
             }
         }
+    }
+
+    #[test]
+    fn a_failure_with_retry_after_waits_at_least_that_long() {
+        // A 503 "down for two minutes": the backoff (at most 1 s here) would
+        // use up every attempt within the window.
+        let p = policy();
+        let mut run = JobRun::new(&job(""), Progress::default(), T0);
+        let now = at(100_000);
+        assert_eq!(run.next(&p, now), Action::CheckEligibility);
+        run.on_permit(&p, GRANTED, now, now, 0.5);
+        let unavailable = Failure::Status {
+            status: 503,
+            retry_after: Some(Duration::from_secs(120)),
+        };
+        match run.on_provider(&p, ProviderOutcome::Failed(unavailable), now, 0.5) {
+            Action::Park { until, reason, .. } => {
+                assert_eq!(now.until(until), Duration::from_secs(120));
+                assert_eq!(reason, ParkReason::Backoff);
+            }
+            other => panic!("expected a park, got {other:?}"),
+        }
+        assert_eq!(run.attempt(), 2, "the failure used an attempt");
     }
 
     #[test]
@@ -1293,7 +1327,7 @@ mod tests {
                     ProviderOutcome::Throttled { retry_after: None }
                 } else {
                     failed_calls += 1;
-                    ProviderOutcome::Failed
+                    ProviderOutcome::Failed(Failure::Unreachable)
                 };
                 if let Action::DeadLetter { reason, .. } = run.on_provider(&p, outcome, now, 0.5) {
                     prop_assert_eq!(reason, DeadReason::Exhausted);

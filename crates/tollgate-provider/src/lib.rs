@@ -158,7 +158,7 @@ impl Provider for HttpProvider {
         let job = call.job;
         let Some(route) = self.routes.get(job.kind.as_str()) else {
             // The runtime checks the route before asking for a permit.
-            return ProviderResponse::Transport;
+            return ProviderResponse::Unreachable;
         };
         let sent = self
             .client
@@ -198,10 +198,19 @@ impl Provider for HttpProvider {
                     location,
                 }
             }
-            Err(e) if e.is_timeout() => ProviderResponse::Timeout,
+            // A timeout once connected: the request may be with the provider.
+            Err(e) if e.is_timeout() && !e.is_connect() => ProviderResponse::Timeout,
             Err(e) => {
+                // Not connected: the request never left. Anything else (a
+                // connection closed or reset once the request was written)
+                // may have reached the provider.
+                let connected = !e.is_connect();
                 tracing::debug!(error = %e.without_url(), route = %route.kind, "provider transport error");
-                ProviderResponse::Transport
+                if !connected {
+                    ProviderResponse::Unreachable
+                } else {
+                    ProviderResponse::Broken
+                }
             }
         }
     }

@@ -168,7 +168,11 @@ mod tests {
         tally.call(&acme, &ProviderOutcome::Sent, None);
         let throttled = ProviderOutcome::Throttled { retry_after: None };
         tally.call(&acme, &throttled, None);
-        tally.call(&acme, &ProviderOutcome::Failed, ms(0));
+        tally.call(
+            &acme,
+            &ProviderOutcome::Failed(tollgate_core::Failure::Timeout),
+            ms(0),
+        );
         tally.call(&tenant("globex"), &ProviderOutcome::Sent, None);
 
         let mut taken = tally.take(UnixMillis(0));

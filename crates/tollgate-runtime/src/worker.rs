@@ -24,7 +24,7 @@ use tollgate_amqp::headers;
 use tollgate_amqp::lapin::message::Delivery;
 use tollgate_amqp::{Acks, Broker, ConsumerControl, Consumption, Nodes, Source, Topology};
 use tollgate_core::job::{Limits, decode};
-use tollgate_core::outcome::{ProviderResponse, classify};
+use tollgate_core::outcome::classify;
 use tollgate_core::ports::{
     Decided, Learned, Penalty, PermitRequest, PermitStore, PermitUse, Provider, ProviderCall,
 };
@@ -197,7 +197,7 @@ impl LiveWorker {
             shutdown_grace: s.shutdown_grace,
             delivery_timeout: s.delivery_timeout,
             commits: CommitGate::default(),
-            commit_reserve: s.provider_timeout + RECORD_RETRY_FOR + Duration::from_secs(1),
+            commit_reserve: longest_call(s.provider_timeout),
             redis_health: Dependency::new("Redis", s.redis_url_shown.clone()),
             amqp_health: Dependency::new("RabbitMQ", s.amqp_nodes.redacted()),
             consuming: AtomicBool::new(false),
@@ -283,19 +283,24 @@ enum SessionEnd {
     Lost(String),
 }
 
-/// Why a delivery was handed back to its queue instead of settled.
+/// Why a delivery was handed back to its queue instead of settled: its
+/// successor could not be published and the connection is gone.
 #[derive(Debug)]
-enum Handback {
-    /// Its successor could not be published and the connection is gone.
-    Broker(tollgate_amqp::AmqpError),
-    /// Shutdown stopped new provider calls before this one could begin.
-    Closing,
-}
+struct Handback(tollgate_amqp::AmqpError);
 
 /// How long a sent record is retried after a provider's 2xx: well within
 /// the in-flight lease (provider timeout + 5 s), which keeps any other copy
 /// from being sent meanwhile.
 const RECORD_RETRY_FOR: Duration = Duration::from_secs(4);
+
+/// The longest a provider call begun now may take to settle: its timeout,
+/// its sent record's retries, and a second. Shutdown stops beginning calls
+/// this long before its grace period ends, and waits for those begun even
+/// past it (never abandons a send): a grace period shorter than this is
+/// overrun by a call begun just before the stop.
+pub fn longest_call(provider_timeout: Duration) -> Duration {
+    provider_timeout + RECORD_RETRY_FOR + Duration::from_secs(1)
+}
 
 /// Reconnect backoff: 0.25 s doubling to 3 s, jittered to 50–100 %, so a
 /// worker consumes again within about 3 s of the broker's return and a
@@ -690,14 +695,11 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
                 }
                 settled
             }
-            Err(why) => {
-                match why {
-                    Handback::Broker(e) => error!(
-                        error = %e,
-                        "could not publish a parked or dead-lettered copy and the connection is gone"
-                    ),
-                    Handback::Closing => info!("shutting down: handing the delivery back"),
-                }
+            Err(Handback(e)) => {
+                error!(
+                    error = %e,
+                    "could not publish a parked or dead-lettered copy and the connection is gone"
+                );
                 if let Err(e) = acks.requeue(&delivery.acker, delivery.delivery_tag).await {
                     warn!(error = %e, "requeue failed: the broker requeues it when the channel closes");
                 }
@@ -731,7 +733,7 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
                 Err(e) => e,
             };
             if !broker.connection_alive() {
-                return Err(Handback::Broker(error));
+                return Err(Handback(error));
             }
             _shielded.get_or_insert_with(|| shield.raise());
             if let Err(e) = broker.repair_publisher().await {
@@ -1023,9 +1025,16 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
                     }
                     if !commitment.begin(&self.commits).await {
                         // Shutting down: too late in the grace period to
-                        // begin a call. Release the permit, hand it back.
+                        // begin a call. Release the permit and park it for
+                        // the next pod, its progress with it. Handed back
+                        // (a requeue), it counted as a delivery that never
+                        // settled: five shutdowns in a row dead-lettered a
+                        // job that never reached the provider as `poison`.
                         self.complete_permit(request, PermitUse::Unused, None).await;
-                        return Err(Handback::Closing);
+                        drop(call);
+                        now = self.clock.now();
+                        action = run.park_instead(&self.policy, now, now, ParkReason::Backoff);
+                        continue;
                     }
                     let attempt = run.attempt();
                     let due_lag = (attempt == 1).then(|| run.due_reference().until(now));
@@ -1065,10 +1074,12 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
                         }
                         _ => None,
                     };
-                    let used = match response {
-                        _ if sent => PermitUse::Sent,
-                        ProviderResponse::Timeout => PermitUse::Unanswered,
-                        _ => PermitUse::CallFailed,
+                    let used = if sent {
+                        PermitUse::Sent
+                    } else if response.may_be_working() {
+                        PermitUse::Unanswered
+                    } else {
+                        PermitUse::CallFailed
                     };
                     self.tally.call(&job.tenant, &outcome, due_lag);
                     self.complete_permit(request, used, penalty).await;

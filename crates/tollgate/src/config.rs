@@ -431,11 +431,16 @@ impl Config {
     /// Durations and counts that zero (or an absurd size) would turn into a
     /// loop, a lost guarantee or a Redis error: each named, with why.
     fn check_durations(&self) -> anyhow::Result<()> {
-        let at_least_one: [(&str, u64, &str); 9] = [
+        let at_least_one: [(&str, u64, &str); 10] = [
             (
                 "provider_timeout_ms",
                 self.provider_timeout_ms,
                 "every call would time out",
+            ),
+            (
+                "min_retry_after_ms",
+                self.min_retry_after_ms,
+                "a 429 with `Retry-After: 0` (or a date in the past) would be retried at once, forever",
             ),
             (
                 "delivery_timeout_ms",
@@ -629,6 +634,15 @@ impl Config {
             .filter(|name| !routes.iter().any(|r| &r.kind == *name))
             .cloned()
             .collect())
+    }
+
+    /// How long a stop may take, when a provider call begun just before it
+    /// outlasts `shutdown_grace_ms` (the worker waits for it rather than
+    /// abandon a send); `None` when the grace period covers it.
+    pub fn stop_overrun(&self) -> Option<Duration> {
+        let call =
+            tollgate_runtime::worker::longest_call(Duration::from_millis(self.provider_timeout_ms));
+        (call > Duration::from_millis(self.shutdown_grace_ms)).then_some(call)
     }
 
     /// Everything a worker is built from, checked.
@@ -996,6 +1010,17 @@ mod tests {
     /// Each of these was accepted once and then broke a promise at run
     /// time (a busy loop, a send twice, every job dead-lettered).
     #[test]
+    fn a_grace_period_a_call_outlasts_is_named() {
+        let defaults = Config::default();
+        assert_eq!(defaults.stop_overrun(), None, "10 s calls in a 25 s grace");
+        let slow = Config {
+            provider_timeout_ms: 40_000,
+            ..Config::default()
+        };
+        assert_eq!(slow.stop_overrun(), Some(Duration::from_secs(45)));
+    }
+
+    #[test]
     fn a_setting_that_would_break_a_promise_is_refused_by_name() {
         let refused = |change: fn(&mut Config), key: &str| {
             let mut bad = Config::default();
@@ -1012,6 +1037,7 @@ mod tests {
         refused(|c| c.concurrency_retry_ms = 0, "concurrency_retry_ms");
         refused(|c| c.unavailable_retry_ms = 0, "unavailable_retry_ms");
         refused(|c| c.provider_timeout_ms = 0, "provider_timeout_ms");
+        refused(|c| c.min_retry_after_ms = 0, "min_retry_after_ms");
         refused(|c| c.delivery_timeout_ms = 0, "delivery_timeout_ms");
         refused(|c| c.delivery_limit = 0, "delivery_limit");
         refused(|c| c.redis_timeout_ms = 0, "redis_timeout_ms");

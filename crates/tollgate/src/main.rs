@@ -91,6 +91,16 @@ async fn worker(config: Config) -> anyhow::Result<()> {
              this configuration has: a typo? It is seeded all the same"
         );
     }
+    if let Some(stop) = config.stop_overrun() {
+        tracing::warn!(
+            "a provider call begun just before a stop may take {} s to settle \
+             (provider_timeout_ms + 5 s), longer than shutdown_grace_ms ({} s): the worker waits \
+             for it rather than abandon a send, so give it that long to stop (Kubernetes' \
+             terminationGracePeriodSeconds), or a kill midway may send the job twice",
+            stop.as_secs_f64(),
+            config.shutdown_grace_ms as f64 / 1000.0
+        );
+    }
     if admin.token.is_none() {
         tracing::warn!(
             "TOLLGATE_ADMIN_TOKEN is not set: the admin API under /v1/ refuses every request"
