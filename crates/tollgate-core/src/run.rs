@@ -218,6 +218,12 @@ pub struct JobRun {
     rechecked: bool,
     /// The granted permit's slot and how late the call may begin after it.
     slot: Option<(UnixMillis, Duration)>,
+    /// 429s this delivery met. From the second, the wait is parked however
+    /// short: a provider that answers 429 for as long as it likes (a daily
+    /// cap without `Retry-After`) would otherwise keep the job looping
+    /// in-process, a second at a time, until `delivery_timeout_ms` handed
+    /// it back and counted it toward `poison`.
+    throttles_here: u32,
 }
 
 impl JobRun {
@@ -229,6 +235,7 @@ impl JobRun {
             arrived_waiting: progress.not_before.zip(progress.park_reason),
             rechecked: false,
             slot: None,
+            throttles_here: 0,
             progress,
             stage: Stage::Due,
         }
@@ -430,12 +437,15 @@ impl JobRun {
         self.stage = Stage::Due;
         match outcome {
             ProviderOutcome::Sent => Action::Complete(Completion::Sent),
-            ProviderOutcome::Throttled { retry_after } => self.begin_wait(
-                policy,
-                now,
-                policy.throttle_wait(retry_after),
-                ParkReason::Throttled,
-            ),
+            ProviderOutcome::Throttled { retry_after } => {
+                self.throttles_here = self.throttles_here.saturating_add(1);
+                self.begin_wait(
+                    policy,
+                    now,
+                    policy.throttle_wait(retry_after),
+                    ParkReason::Throttled,
+                )
+            }
             ProviderOutcome::Failed(failure) => {
                 self.progress.attempt = self.progress.attempt.saturating_add(1);
                 let failures = self.progress.attempt;
@@ -541,9 +551,12 @@ impl JobRun {
         until: UnixMillis,
         reason: ParkReason,
     ) -> Action {
-        if reason == ParkReason::Paused {
+        if reason == ParkReason::Paused
+            || (reason == ParkReason::Throttled && self.throttles_here > 1)
+        {
             // Parked however short the recheck: a pause may last hours,
-            // and nothing of it should sit in a pod.
+            // and nothing of it should sit in a pod; nor should a provider's
+            // throttling, once it has answered this delivery twice.
             return self.park_instead(policy, now, until, reason);
         }
         let remaining = now.until(until);
@@ -1034,6 +1047,38 @@ mod tests {
         ));
         assert_eq!(run.attempt(), 1, "a 429 is not a failed attempt");
         assert_eq!(run.progress().quota_wait, Duration::from_secs(2));
+    }
+
+    /// A provider that keeps answering 429 (a daily cap, without
+    /// `Retry-After`): the first wait is held, the next ones parked, so the
+    /// delivery ends instead of looping in-process until
+    /// `delivery_timeout_ms` hands it back as hung (toward `poison`).
+    #[test]
+    fn a_second_429_in_one_delivery_is_parked_however_short() {
+        let p = policy();
+        let mut run = JobRun::new(&job(""), Progress::default(), T0);
+        let throttled = ProviderOutcome::Throttled { retry_after: None };
+        let mut now = T0;
+        run.next(&p, now);
+        run.on_permit(&p, GRANTED, now, now, 0.5);
+        let until = match run.on_provider(&p, throttled.clone(), now, 0.5) {
+            Action::Hold { until, reason } => {
+                assert_eq!(reason, ParkReason::Throttled);
+                until
+            }
+            other => panic!("the first 429's second is held: {other:?}"),
+        };
+        now = until;
+        assert_eq!(run.next(&p, now), Action::CheckEligibility);
+        run.on_permit(&p, GRANTED, now, now, 0.5);
+        match run.on_provider(&p, throttled, now, 0.5) {
+            Action::Park { until, reason, .. } => {
+                assert_eq!(reason, ParkReason::Throttled);
+                assert_eq!(now.until(until), p.min_retry_after, "never early");
+            }
+            other => panic!("the second 429's wait is parked: {other:?}"),
+        }
+        assert_eq!(run.attempt(), 1, "429s use no attempt");
     }
 
     #[test]
