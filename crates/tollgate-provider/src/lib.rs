@@ -204,9 +204,9 @@ impl Provider for HttpProvider {
                 // Not connected: the request never left. Anything else (a
                 // connection closed or reset once the request was written)
                 // may have reached the provider.
-                let connected = !e.is_connect();
+                let unreachable = e.is_connect();
                 tracing::debug!(error = %e.without_url(), route = %route.kind, "provider transport error");
-                if !connected {
+                if unreachable {
                     ProviderResponse::Unreachable
                 } else {
                     ProviderResponse::Broken

@@ -3,6 +3,7 @@
 //! ever a label.
 
 use std::collections::HashSet;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -100,6 +101,9 @@ struct LearnedRates {
     gauge: GaugeVec,
     /// The labels this pod shows.
     shown: Mutex<HashSet<String>>,
+    /// Whether it shows any: a sent job of an installation with no adaptive
+    /// quota checks this flag, not the lock.
+    any: AtomicBool,
 }
 
 impl LearnedRates {
@@ -107,6 +111,7 @@ impl LearnedRates {
         Self {
             gauge,
             shown: Default::default(),
+            any: Default::default(),
         }
     }
 
@@ -123,11 +128,15 @@ impl LearnedRates {
             }
             None => {
                 if shown.remove(label) {
-                    // Already gone only if another label mapped here.
                     let _ = self.gauge.remove_label_values(&[label]);
                 }
             }
         }
+        self.any.store(!shown.is_empty(), Ordering::Relaxed);
+    }
+
+    fn shows_any(&self) -> bool {
+        self.any.load(Ordering::Relaxed)
     }
 }
 
@@ -359,6 +368,12 @@ impl Metrics {
         }
     }
 
+    /// Whether this pod shows any learned rate (one a sent job of a
+    /// quota that stopped adapting may have to take away).
+    pub fn shows_learned_rates(&self) -> bool {
+        self.0.effective_rate.shows_any() || self.0.route_effective_rate.shows_any()
+    }
+
     pub fn late_permit(&self, tenant: &str) {
         self.0.late_permits.with_label_values(&[tenant]).inc();
     }
@@ -486,6 +501,7 @@ mod tests {
     #[test]
     fn a_learned_rate_goes_once_its_quota_stops_adapting() {
         let metrics = Metrics::new(50, &[]);
+        assert!(!metrics.shows_learned_rates());
         let learned = Learned {
             tenant: Some(7.92),
             route: Some(0.000278),
@@ -508,6 +524,7 @@ mod tests {
         assert!(text.contains("{route=\"email\"} 5"));
         metrics.learned("acme", "email", Learned::default(), true);
         assert!(!metrics.render().contains("{route=\"email\"}"));
+        assert!(!metrics.shows_learned_rates(), "nothing left to take away");
     }
 
     #[test]

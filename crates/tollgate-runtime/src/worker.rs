@@ -1131,8 +1131,12 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
             let error = match self.permits.complete(request, used, penalty).await {
                 Ok(learned) => {
                     self.redis_health.up();
+                    // A sent job may take away a learned rate this pod shows
+                    // (its quota stopped adapting); without one, as in an
+                    // installation with no adaptive quota, nothing to do.
                     let sent = matches!(used, PermitUse::Sent) && penalty.is_none();
-                    if sent || learned != Learned::default() {
+                    if learned != Learned::default() || (sent && self.metrics.shows_learned_rates())
+                    {
                         let tenant = self.metrics.tenant(request.tenant.as_str());
                         self.metrics
                             .learned(&tenant, request.route.as_str(), learned, sent);
