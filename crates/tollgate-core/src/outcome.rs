@@ -133,21 +133,6 @@ pub enum ProviderResponse {
     Unreachable,
 }
 
-impl ProviderResponse {
-    /// Whether the provider may still be working on a call it did not
-    /// accept: no answer came (a timeout, a connection lost after the
-    /// request went out), or a gateway gave up waiting for it (504). Such a
-    /// call keeps its lease until the lease expires, so no copy with the
-    /// same key calls meanwhile: retried at once, a provider that answers
-    /// "key in use" (409) would have it dead-lettered while it finishes it.
-    pub fn may_be_working(&self) -> bool {
-        matches!(
-            self,
-            Self::Timeout | Self::Broken | Self::Status { status: 504, .. }
-        )
-    }
-}
-
 /// Why a provider call failed (and will be retried): said in the log and,
 /// once the attempts are used up, in the dead letter's detail, so an
 /// on-call engineer knows whether the provider may have done it.
@@ -165,6 +150,19 @@ pub enum Failure {
 }
 
 impl Failure {
+    /// Whether the provider may still be working on the call: no answer
+    /// came (a timeout, a connection lost after the request went out), or a
+    /// gateway gave up waiting for it (504). Such a call keeps its lease
+    /// until the lease expires, so no copy with the same key calls
+    /// meanwhile: retried at once, a provider that answers "key in use"
+    /// (409) would have it dead-lettered while it finishes it.
+    pub fn may_be_working(&self) -> bool {
+        matches!(
+            self,
+            Self::Timeout | Self::Broken | Self::Status { status: 504, .. }
+        )
+    }
+
     /// The wait the provider asked for before the next attempt.
     pub fn retry_after(&self) -> Option<Duration> {
         match self {
@@ -222,24 +220,27 @@ pub fn classify(response: &ProviderResponse, now: UnixMillis) -> ProviderOutcome
             status,
             retry_after,
             location,
-        } => match *status {
-            200..=299 => ProviderOutcome::Sent,
-            429 => ProviderOutcome::Throttled {
-                retry_after: retry_after
+        } => {
+            let retry_after = || {
+                retry_after
                     .as_deref()
-                    .and_then(|v| parse_retry_after(v, now)),
-            },
-            408 | 500..=599 => ProviderOutcome::Failed(Failure::Status {
-                status: *status,
-                retry_after: retry_after
-                    .as_deref()
-                    .and_then(|v| parse_retry_after(v, now)),
-            }),
-            status => ProviderOutcome::Rejected {
-                status,
-                location: location.as_deref().map(printable),
-            },
-        },
+                    .and_then(|v| parse_retry_after(v, now))
+            };
+            match *status {
+                200..=299 => ProviderOutcome::Sent,
+                429 => ProviderOutcome::Throttled {
+                    retry_after: retry_after(),
+                },
+                408 | 500..=599 => ProviderOutcome::Failed(Failure::Status {
+                    status: *status,
+                    retry_after: retry_after(),
+                }),
+                status => ProviderOutcome::Rejected {
+                    status,
+                    location: location.as_deref().map(printable),
+                },
+            }
+        }
     }
 }
 
@@ -484,11 +485,16 @@ mod tests {
 
     #[test]
     fn a_call_the_provider_may_still_be_working_on_is_told_apart() {
-        assert!(ProviderResponse::Timeout.may_be_working());
-        assert!(ProviderResponse::Broken.may_be_working());
-        assert!(status(504).may_be_working());
-        assert!(!ProviderResponse::Unreachable.may_be_working());
-        assert!(!status(503).may_be_working());
-        assert!(!status(500).may_be_working());
+        let now = UnixMillis(0);
+        let may_be_working = |response: ProviderResponse| match classify(&response, now) {
+            ProviderOutcome::Failed(failure) => failure.may_be_working(),
+            other => panic!("{response:?} is not a failure: {other:?}"),
+        };
+        assert!(may_be_working(ProviderResponse::Timeout));
+        assert!(may_be_working(ProviderResponse::Broken));
+        assert!(may_be_working(status(504)));
+        assert!(!may_be_working(ProviderResponse::Unreachable));
+        assert!(!may_be_working(status(503)));
+        assert!(!may_be_working(status(500)));
     }
 }

@@ -1076,7 +1076,7 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
                     };
                     let used = if sent {
                         PermitUse::Sent
-                    } else if response.may_be_working() {
+                    } else if matches!(&outcome, ProviderOutcome::Failed(f) if f.may_be_working()) {
                         PermitUse::Unanswered
                     } else {
                         PermitUse::CallFailed
