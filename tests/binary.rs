@@ -4,6 +4,7 @@
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
+use tollgate_amqp::ShardQueue;
 use tollgate_tests::{
     FakeProvider, TestEnv, WorkerProcess, fake_provider, free_port, tollgate_bin, wait_for,
 };
@@ -441,5 +442,73 @@ async fn a_changed_queue_argument_is_named_with_the_way_out() {
         "{ours}"
     );
     assert_eq!(ours.matches("inequivalent arg").count(), 1, "{ours}");
+    env.cleanup().await;
+}
+
+/// `publish` publishes into an installation and never declares one: under a
+/// prefix nobody declared it says so at once (it used to build a whole
+/// installation nobody served, and with a larger `shards` than the fleet's,
+/// bind work queues no worker consumed, stranding jobs for good); and a job
+/// the workers would dead-letter as malformed is refused before it is sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn publish_never_declares_and_refuses_what_workers_would_dead_letter() {
+    let env = TestEnv::new("http://127.0.0.1:9/unused").await;
+    let publish = |prefix: &str, args: &[&str]| {
+        Command::new(tollgate_bin())
+            .args(["publish", "--tenant", "acme"])
+            .args(args)
+            .env("TOLLGATE_PREFIX", prefix)
+            .env("TOLLGATE_SHARDS", (env.config.shards + 2).to_string())
+            .output()
+            .unwrap()
+    };
+    let nobody = format!("{}-typo", env.config.prefix);
+    let out = publish(&nobody, &[]);
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("tollgate topology declare"), "{stderr}");
+    assert!(!stderr.contains("retrying"), "refused at once: {stderr}");
+    let mut typo = env.config.clone();
+    typo.prefix = nobody;
+    let broker = tollgate::cli::connect_broker(&typo, "test").await.unwrap();
+    assert!(
+        matches!(
+            broker.check_installed().await,
+            Err(tollgate_amqp::AmqpError::NotInstalled(_))
+        ),
+        "the failed publish declared nothing"
+    );
+    broker.close().await;
+
+    // Into the real installation, with more shards than it has: no work
+    // queue of its own is bound.
+    let out = publish(&env.config.prefix, &["--count", "3"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let extra = env
+        .broker
+        .queue_depth(
+            &env.broker
+                .topology()
+                .queue(ShardQueue::Work, env.config.shards),
+        )
+        .await;
+    assert!(
+        extra.is_err(),
+        "a work queue past the fleet's shards: {extra:?}"
+    );
+    assert_eq!(env.pending().await, 3);
+
+    let out = publish(
+        &env.config.prefix,
+        &["--due-in", "1h", "--expires-in", "10m"],
+    );
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("expires_at is before due_at"), "{stderr}");
+    assert_eq!(env.pending().await, 3, "nothing more was published");
     env.cleanup().await;
 }

@@ -1162,3 +1162,116 @@ async fn a_job_stopped_by_shutdown_before_its_call_is_parked_not_counted_as_pois
     assert!(env.dead_letters().await.is_empty());
     env.stop_when_drained([worker]).await;
 }
+
+/// Redis goes away just as the provider accepts a call, for longer than the
+/// call's lease (provider timeout + 5 s). The worker used to retry the sent
+/// record for 4 s, then ack the delivery without it: a later job with the
+/// same idempotency key, once the lease had expired, found no record and
+/// was sent again. Now a running worker keeps retrying, the delivery
+/// unacked, until Redis answers: the later job is a duplicate.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sent_record_outlasting_its_lease_is_written_once_redis_returns() {
+    use std::io::Write;
+
+    const PAUSE_MS: u64 = 9_000;
+    let redis = PrivateRedis::start().await;
+    let port = redis.port;
+    let paused = Arc::new(AtomicBool::new(false));
+    let pause = Arc::clone(&paused);
+    let provider = FakeProvider::start(Arc::new(move |_, _| {
+        // Redis stops answering as the first call is accepted.
+        if !pause.swap(true, Ordering::SeqCst) {
+            let mut redis = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+            write!(redis, "CLIENT PAUSE {PAUSE_MS} ALL\r\n").unwrap();
+        }
+        Reply::ok()
+    }))
+    .await
+    .unwrap();
+    let url = redis.url();
+    let env = TestEnv::new_with(&provider.url(), |c| {
+        c.redis_url = tollgate_core::SecretUrl::new(url);
+        c.provider_timeout_ms = 2_000;
+    })
+    .await;
+    let worker = env.spawn_worker().await;
+    let key = format!("k-{}", uuid::Uuid::new_v4().simple());
+    let first = env
+        .publish("acme", 1, |a| a.idempotency_key = Some(key.clone()))
+        .await;
+    let completed = |n: f64| {
+        let metrics = &worker.metrics;
+        async move { metrics.counter_sum("tollgate_jobs_completed_total", &[]) >= n }
+    };
+    wait_for("the first job settled", Duration::from_secs(60), || {
+        completed(1.0)
+    })
+    .await;
+    assert!(paused.load(Ordering::SeqCst));
+    // Another job with the same key, once the first is settled (and its
+    // lease long expired).
+    let second = env
+        .publish("acme", 1, |a| a.idempotency_key = Some(key.clone()))
+        .await;
+    wait_for("the second job settled", Duration::from_secs(60), || {
+        completed(2.0)
+    })
+    .await;
+    let calls = provider.received();
+    eprintln!(
+        "Redis paused {PAUSE_MS} ms after a 200: jobs {} and {} made {} call(s)",
+        first[0].id,
+        second[0].id,
+        calls.len()
+    );
+    assert_eq!(calls.len(), 1, "the key was sent once: {calls:?}");
+    assert_eq!(
+        worker
+            .metrics
+            .counter_sum("tollgate_jobs_completed_total", &[("outcome", "duplicate")]),
+        1.0
+    );
+    worker.stop().await.unwrap();
+    env.cleanup().await;
+}
+
+/// A delay tier's queue deleted under a running worker: the broker returns
+/// every park to it as unroutable, without closing the channel. The worker
+/// used to retry that park forever (only a closed channel made it declare
+/// the topology again), and the tenant's lane stalled behind it. Now an
+/// unroutable publish declares the topology again, and every job is sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deleted_delay_queue_is_declared_again_and_nothing_stalls() {
+    use tollgate_amqp::lapin::options::QueueDeleteOptions;
+
+    let provider = FakeProvider::start(fake_provider::always_ok())
+        .await
+        .unwrap();
+    let env = TestEnv::new(&provider.url()).await;
+    env.set_quota("paced", "10/s", 1).await;
+    let worker = env.spawn_worker().await;
+    // Someone deletes the (empty) delay queues under the running worker.
+    let (conn, channel) = env.raw_channel().await;
+    let topology = env.broker.topology().clone();
+    for tier in env.config.tiers().unwrap().all() {
+        channel
+            .queue_delete(
+                topology.tier(*tier).as_str().into(),
+                QueueDeleteOptions::default(),
+            )
+            .await
+            .unwrap();
+    }
+    conn.close(200, "deleted".into()).await.unwrap();
+    let jobs = env.publish("paced", 30, |_| {}).await;
+    wait_for("every job's effect", Duration::from_secs(60), || async {
+        effects(&provider.received()).0.len() >= 30
+    })
+    .await;
+    let (sent, repeats) = effects(&provider.received());
+    assert_eq!(sent, ids(&jobs));
+    assert_eq!(repeats, 0);
+    assert!(env.dead_letters().await.is_empty());
+    worker.stop().await.unwrap();
+    env.cleanup().await;
+}

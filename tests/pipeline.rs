@@ -363,6 +363,81 @@ async fn a_parked_copy_stays_in_its_tier_as_long_as_it_was_parked_for() {
     env.cleanup().await;
 }
 
+/// A producer's AMQP `expiration` does not follow its job into the
+/// dead-letter queue (which dead-letters nowhere: the letter would vanish
+/// when it ran out), nor into a replay; the other properties it set do.
+#[tokio::test]
+async fn a_producers_expiration_never_reaches_a_dead_letter() {
+    let env = TestEnv::new("http://127.0.0.1:9").await;
+    let topology = env.broker.topology().clone();
+    let props = tollgate_amqp::job_properties()
+        .with_expiration("600000".into())
+        .with_message_id("m-1".into());
+    env.publish_raw_with("acme", br#"{"x":1}"#, props).await;
+    let (_conn, channel) = env.raw_channel().await;
+    let mut delivery = None;
+    for queue in topology.queues(ShardQueue::Work) {
+        if let Some(msg) = channel
+            .basic_get(queue.as_str().into(), BasicGetOptions::default())
+            .await
+            .unwrap()
+        {
+            delivery = Some(msg.delivery);
+        }
+    }
+    let delivery = delivery.expect("the job in a work queue");
+    assert!(delivery.properties.expiration().is_some());
+    env.broker
+        .dead_letter(
+            &delivery,
+            None,
+            tollgate_core::DeadReason::Malformed,
+            "test",
+            UnixMillis(0),
+        )
+        .await
+        .unwrap();
+    tollgate_amqp::Acks::default().ack(&delivery).await.unwrap();
+    let letter = channel
+        .basic_get(
+            topology.dead_queue().as_str().into(),
+            BasicGetOptions::default(),
+        )
+        .await
+        .unwrap()
+        .expect("the dead letter");
+    let props = &letter.delivery.properties;
+    assert_eq!(props.expiration(), &None);
+    assert_eq!(props.message_id().as_ref().map(|m| m.as_str()), Some("m-1"));
+    assert_eq!(props.delivery_mode(), &Some(2));
+    env.cleanup().await;
+}
+
+/// A job published with an AMQP `expiration` that runs out in its work
+/// queue is dead-lettered by RabbitMQ itself: `dlq list` says it expired
+/// and why, where it used to call it `poison` with no detail.
+#[tokio::test]
+async fn a_job_whose_amqp_expiration_ran_out_is_listed_as_expired() {
+    let env = TestEnv::new("http://127.0.0.1:9").await;
+    let props = tollgate_amqp::job_properties().with_expiration("1".into());
+    env.publish_raw_with("acme", br#"{"id":"short-lived","tenant":"acme"}"#, props)
+        .await;
+    wait_for("the dead letter", Duration::from_secs(20), || async {
+        !env.dead_letters().await.is_empty()
+    })
+    .await;
+    let letters = env.dead_letters().await;
+    assert_eq!(letters.len(), 1, "{letters:?}");
+    assert_eq!(letters[0].reason, "expired");
+    assert_eq!(letters[0].job_id, "short-lived");
+    assert!(
+        letters[0].detail.contains("AMQP expiration"),
+        "{:?}",
+        letters[0].detail
+    );
+    env.cleanup().await;
+}
+
 /// Acks coalesced with `multiple` settle exactly what was asked: deliveries
 /// of six tenants (over the work queues their hashes pick) on one channel,
 /// acked out of order, some handed

@@ -99,6 +99,21 @@ pub fn text(headers: &FieldTable, name: &str) -> Option<String> {
     }
 }
 
+/// Why RabbitMQ itself last dead-lettered a message, and from which queue:
+/// the first entry of its `x-death` (`expired`, `delivery_limit`, …).
+pub fn last_death(headers: &FieldTable) -> Option<(String, String)> {
+    let AMQPValue::FieldArray(deaths) = headers.inner().get("x-death")? else {
+        return None;
+    };
+    let AMQPValue::FieldTable(last) = deaths.as_slice().first()? else {
+        return None;
+    };
+    Some((
+        text(last, "reason")?,
+        text(last, "queue").unwrap_or_default(),
+    ))
+}
+
 /// Reads the progress a delivery carries. Absent headers mean a fresh job.
 pub fn read_progress(headers: Option<&FieldTable>) -> Result<Progress, Malformed> {
     let Some(h) = headers else {

@@ -57,6 +57,11 @@ pub enum AmqpError {
         #[source]
         source: lapin::Error,
     },
+    #[error(
+        "{0} does not exist: no installation has this prefix (TOLLGATE_PREFIX) on this broker; \
+         run `tollgate topology declare` with the fleet's settings first"
+    )]
+    NotInstalled(String),
     #[error("the broker refused (nacked) a publish to {0}")]
     Nacked(String),
     #[error("a publish to {exchange} with routing key {routing_key:?} reached no queue")]
@@ -121,7 +126,8 @@ pub struct Broker {
     /// (a publish to a deleted exchange, a channel error), without touching
     /// the consumers' channel and the deliveries it holds.
     publisher: std::sync::RwLock<Channel>,
-    repairing: tokio::sync::Mutex<()>,
+    /// One repair at a time; when the topology was last declared by one.
+    repairing: tokio::sync::Mutex<Option<std::time::Instant>>,
     /// Queues of the shards beyond `shards` left by an installation that had
     /// more: unbound from their exchanges and consumed until empty.
     draining: std::sync::Mutex<Vec<String>>,
@@ -154,7 +160,7 @@ impl Broker {
                         node,
                         topology,
                         publisher: std::sync::RwLock::new(publisher),
-                        repairing: tokio::sync::Mutex::new(()),
+                        repairing: tokio::sync::Mutex::new(None),
                         draining: std::sync::Mutex::new(Vec::new()),
                     });
                 }
@@ -213,19 +219,63 @@ impl Broker {
         self.publisher.read().expect("not poisoned").clone()
     }
 
-    /// After a failed publish: if the broker closed the publisher channel,
-    /// opens a new one in confirm mode, and declares the topology again (a
-    /// deleted exchange or queue is what usually closes it). Deliveries in
-    /// hand are not affected: they live on the consumers' channel.
-    pub async fn repair_publisher(&self) -> Result<(), AmqpError> {
-        let _one_at_a_time = self.repairing.lock().await;
+    /// After a failed publish (`failure`, if one): if the broker closed the
+    /// publisher channel, opens a new one in confirm mode, and declares the
+    /// topology again (a deleted exchange is what usually closes it). A
+    /// publish that reached no queue (a deleted queue: the channel stays
+    /// open) declares it again too, at most once a second however many
+    /// deliveries found it missing. Deliveries in hand are not affected:
+    /// they live on the consumers' channel.
+    pub async fn repair_publisher(&self, failure: Option<&AmqpError>) -> Result<(), AmqpError> {
+        let mut declared = self.repairing.lock().await;
         if self.publisher().status().connected() {
-            return Ok(());
+            let unroutable = matches!(failure, Some(AmqpError::Unroutable { .. }));
+            if !unroutable || declared.is_some_and(|at| at.elapsed() < Duration::from_secs(1)) {
+                return Ok(());
+            }
+            tracing::warn!(
+                "a publish reached no queue (one was deleted?): declaring the topology again"
+            );
+        } else {
+            let fresh = bounded("a publisher channel", confirmed_channel(&self.conn)).await?;
+            *self.publisher.write().expect("not poisoned") = fresh;
+            tracing::warn!("the broker closed the publisher channel: reopened it");
         }
-        let fresh = bounded("a publisher channel", confirmed_channel(&self.conn)).await?;
-        *self.publisher.write().expect("not poisoned") = fresh;
-        tracing::warn!("the broker closed the publisher channel: reopened it");
-        self.declare_topology().await
+        self.declare_topology().await?;
+        *declared = Some(std::time::Instant::now());
+        Ok(())
+    }
+
+    /// Checks that the installation exists, by a passive declare of its
+    /// jobs exchange. A producer publishes into an installation and never
+    /// declares one: declared with the producer's settings, a `shards`
+    /// larger than the fleet's bound work queues no worker consumes, and a
+    /// mistyped prefix built a whole installation nobody serves.
+    pub async fn check_installed(&self) -> Result<(), AmqpError> {
+        let exchange = self.topology.jobs_exchange();
+        self.on_channel("checking the jobs exchange", async |channel| {
+            let options = lapin::options::ExchangeDeclareOptions {
+                passive: true,
+                ..Default::default()
+            };
+            let kind = lapin::ExchangeKind::Custom("x-consistent-hash".into());
+            match channel
+                .exchange_declare(
+                    exchange.as_str().into(),
+                    kind,
+                    options,
+                    FieldTable::default(),
+                )
+                .await
+            {
+                Ok(()) => Ok(()),
+                Err(e) if e.to_string().contains("NOT_FOUND") => {
+                    Err(AmqpError::NotInstalled(exchange.clone()))
+                }
+                Err(e) => Err(AmqpError::declare(&exchange, e)),
+            }
+        })
+        .await
     }
 
     /// Declares the whole topology on a fresh channel (a failed declare
@@ -883,12 +933,43 @@ async fn confirmed_channel(conn: &Connection) -> Result<Channel, AmqpError> {
 }
 
 /// The properties of a copy of `delivery` (persistent) carrying `headers`.
+///
+/// Two of the producer's properties never follow a copy: its `expiration`
+/// (a dead letter or a replayed job would vanish when it ran out, as no
+/// queue of ours dead-letters further; a parked copy sets its own) and its
+/// `user-id` (the broker refuses a publish whose user-id is not the
+/// connection's user, so the copy could never be published).
 fn copy_properties(delivery: &Delivery, headers: FieldTable) -> BasicProperties {
-    delivery
-        .properties
-        .clone()
+    let from = &delivery.properties;
+    let mut props = BasicProperties::default()
         .with_delivery_mode(2)
-        .with_headers(headers)
+        .with_headers(headers);
+    type With = fn(BasicProperties, ShortString) -> BasicProperties;
+    let texts: [(&Option<ShortString>, With); 8] = [
+        (from.content_type(), BasicProperties::with_content_type),
+        (
+            from.content_encoding(),
+            BasicProperties::with_content_encoding,
+        ),
+        (from.correlation_id(), BasicProperties::with_correlation_id),
+        (from.reply_to(), BasicProperties::with_reply_to),
+        (from.message_id(), BasicProperties::with_message_id),
+        (from.kind(), BasicProperties::with_type),
+        (from.app_id(), BasicProperties::with_app_id),
+        (from.cluster_id(), BasicProperties::with_cluster_id),
+    ];
+    for (value, with) in texts {
+        if let Some(value) = value {
+            props = with(props, value.clone());
+        }
+    }
+    if let Some(priority) = from.priority() {
+        props = props.with_priority(*priority);
+    }
+    if let Some(timestamp) = from.timestamp() {
+        props = props.with_timestamp(*timestamp);
+    }
+    props
 }
 
 /// Properties of a job message: JSON, persistent.

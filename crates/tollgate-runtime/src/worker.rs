@@ -288,9 +288,10 @@ enum SessionEnd {
 #[derive(Debug)]
 struct Handback(tollgate_amqp::AmqpError);
 
-/// How long a sent record is retried after a provider's 2xx: well within
-/// the in-flight lease (provider timeout + 5 s), which keeps any other copy
-/// from being sent meanwhile.
+/// How long a sent record is still retried once the worker is stopping
+/// (until then, for as long as Redis is away: the delivery is kept
+/// unacked, since a copy that asks once the call's lease has expired finds
+/// no record and is sent again).
 const RECORD_RETRY_FOR: Duration = Duration::from_secs(4);
 
 /// The longest a provider call begun now may take to settle: its timeout,
@@ -607,7 +608,7 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
                         break Some("the connection closed".to_owned());
                     }
                     if !broker.is_connected()
-                        && let Err(e) = broker.repair_publisher().await
+                        && let Err(e) = broker.repair_publisher(None).await
                     {
                         warn!(error = %e, "reopening the publisher channel");
                     }
@@ -736,7 +737,7 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
                 return Err(Handback(error));
             }
             _shielded.get_or_insert_with(|| shield.raise());
-            if let Err(e) = broker.repair_publisher().await {
+            if let Err(e) = broker.repair_publisher(Some(&error)).await {
                 warn!(error = %e, "reopening the publisher channel");
             }
             let wait = republish_delay(failures);
@@ -1116,16 +1117,19 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
     }
 
     /// Records a sent key and releases the lease. A sent key is retried
-    /// with backoff for [`RECORD_RETRY_FOR`], well within the lease that
-    /// keeps any other copy from being sent meanwhile: the record is what
-    /// stops a redelivered copy from being sent again.
+    /// with backoff (at most a second apart) for as long as Redis is away,
+    /// the delivery unacked: the record is what stops a redelivered copy,
+    /// or another job with the same key, from being sent again once the
+    /// call's lease has expired. Only a stopping worker gives up, after
+    /// [`RECORD_RETRY_FOR`], so that a stop ends while Redis is away.
     async fn complete_permit(
         &self,
         request: PermitRequest<'_>,
         used: PermitUse,
         penalty: Option<Penalty>,
     ) {
-        let started = Instant::now();
+        let stopping = self.stopping.subscribe();
+        let mut stop_seen: Option<Instant> = None;
         let mut failures = 0u32;
         loop {
             let error = match self.permits.complete(request, used, penalty).await {
@@ -1153,15 +1157,24 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
                 rand::random(),
             );
             failures += 1;
-            let sent = used == PermitUse::Sent;
-            if !sent || started.elapsed() + wait > RECORD_RETRY_FOR {
-                if sent {
-                    error!(error = %error, "sent, but the idempotency record could not be written: \
-                        a redelivered copy is deduplicated only by the provider's Idempotency-Key");
-                }
+            if used != PermitUse::Sent {
                 return;
             }
-            warn!(error = %error, failures, "recording the sent key failed; retrying");
+            if *stopping.borrow() {
+                let since = *stop_seen.get_or_insert_with(Instant::now);
+                if since.elapsed() + wait > RECORD_RETRY_FOR {
+                    error!(error = %error, failures, "sent, but the idempotency record could not be \
+                        written before the stop: a copy sent after the call's lease is deduplicated \
+                        only by the provider's Idempotency-Key");
+                    return;
+                }
+            }
+            // The first failure, then one line in ten: a long outage with
+            // many sent jobs waiting does not flood the log.
+            if failures % 10 == 1 {
+                warn!(error = %error, failures, "recording the sent key failed: retrying until \
+                    Redis answers, the delivery kept unacked");
+            }
             tokio::time::sleep(wait).await;
         }
     }

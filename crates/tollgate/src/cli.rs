@@ -443,8 +443,8 @@ pub async fn publish_reliably(
     for attempt in 1u32.. {
         let error: anyhow::Error = match connect_broker(config, "publish").await {
             Ok(broker) => {
-                let declared = broker.declare_topology().await;
-                let (failed, error) = match declared {
+                let installed = broker.check_installed().await;
+                let (failed, error) = match installed {
                     Ok(()) => publish_batch(&broker, &left, now).await,
                     Err(e) => (left.clone(), Some(e)),
                 };
@@ -455,6 +455,9 @@ pub async fn publish_reliably(
             }
             Err(e) => e,
         };
+        if refused_for_good(&error) {
+            return Err(error.context(format!("{} job(s) not published", left.len())));
+        }
         // 0.25 s doubling to 5 s, jittered, for as long as retry_for allows.
         let ceiling = Duration::from_millis(250 << attempt.min(5)).min(Duration::from_secs(5));
         let wait = ceiling.mul_f64(rand::random::<f64>().max(0.5));
@@ -475,9 +478,36 @@ pub async fn publish_reliably(
     unreachable!("the loop returns")
 }
 
+/// A refusal that retrying cannot change: no installation under this
+/// prefix, the credentials or the vhost refused, a queue or exchange that
+/// exists with other arguments. `publish` says so at once instead of
+/// retrying for `--retry-for`.
+fn refused_for_good(error: &anyhow::Error) -> bool {
+    use tollgate_amqp::AmqpError;
+    let settled = error.chain().any(|e| {
+        matches!(
+            e.downcast_ref::<AmqpError>(),
+            Some(AmqpError::NotInstalled(_) | AmqpError::Inequivalent { .. })
+        )
+    });
+    let text = format!("{error:#}");
+    settled
+        || ["ACCESS_REFUSED", "NOT_ALLOWED", "PRECONDITION_FAILED"]
+            .iter()
+            .any(|code| text.contains(code))
+}
+
 pub async fn publish(config: &Config, args: &PublishArgs) -> anyhow::Result<()> {
     let now = SystemClock.now();
     let jobs = build_jobs(args, now)?;
+    // As the workers will read it (they differ only in their ids): what
+    // they would dead-letter as malformed is refused here instead (an
+    // expiry before the due time, a kind no route knows, a payload too
+    // large or too deep).
+    if let Some(job) = jobs.first() {
+        tollgate_core::job::decode(&job.to_json(), &config.limits())
+            .map_err(|e| anyhow::anyhow!("workers would dead-letter this job as malformed: {e}"))?;
+    }
     publish_reliably(config, &jobs, now, args.retry_for).await?;
     match jobs.as_slice() {
         [job] => println!("published job {} for tenant {}", job.id, job.tenant),
@@ -811,7 +841,12 @@ pub async fn cancel(config: &Config, args: &CancelArgs, actor: &Actor) -> anyhow
             actor,
         )
         .await?;
-    println!("cancelled {by} for tenant {tenant}: skipped at its turn, using no quota");
+    println!(
+        "cancellation of {by} for tenant {tenant} recorded for {}: any copy not yet sent is \
+         skipped at its turn, using no quota (a job already sent is not affected, nor one due \
+         after then)",
+        humantime::format_duration(Duration::from_secs(config.cancel_ttl_s))
+    );
     Ok(())
 }
 
@@ -860,10 +895,28 @@ pub struct DeadLetter {
 
 pub fn describe_dead_letter(delivery: &tollgate_amqp::lapin::message::Delivery) -> DeadLetter {
     let h = delivery.properties.headers().clone().unwrap_or_default();
-    // Messages RabbitMQ itself dead-lettered (delivery limit) carry no
-    // tollgate reason: those are poison.
-    let reason =
-        headers::text(&h, headers::REASON).unwrap_or_else(|| DeadReason::Poison.as_str().into());
+    // Messages RabbitMQ itself dead-lettered carry no tollgate reason: past
+    // the work queue's delivery limit, those are poison; a producer's own
+    // AMQP `expiration` that ran out in a work queue, expired.
+    let (reason, detail) = match (headers::text(&h, headers::REASON), headers::last_death(&h)) {
+        (Some(reason), _) => (
+            reason,
+            headers::text(&h, headers::DETAIL).unwrap_or_default(),
+        ),
+        (None, Some((death, queue))) if death == "expired" => (
+            DeadReason::Expired.as_str().into(),
+            format!(
+                "the AMQP expiration it was published with ran out in {queue} (give the job an \
+                 expires_at instead)"
+            ),
+        ),
+        (None, death) => (
+            DeadReason::Poison.as_str().into(),
+            death
+                .map(|(death, queue)| format!("dead-lettered by RabbitMQ ({death}) from {queue}"))
+                .unwrap_or_default(),
+        ),
+    };
     let dead_at = match h.inner().get(headers::DEAD_AT_MS) {
         Some(tollgate_amqp::lapin::types::AMQPValue::LongLongInt(ms)) => Some(UnixMillis(*ms)),
         _ => None,
@@ -881,7 +934,7 @@ pub fn describe_dead_letter(delivery: &tollgate_amqp::lapin::message::Delivery) 
         tenant: TenantId::parse(delivery.routing_key.as_str())
             .map(|t| t.to_string())
             .unwrap_or_else(|_| "?".into()),
-        detail: headers::text(&h, headers::DETAIL).unwrap_or_default(),
+        detail,
         dead_at,
         job_id: field("id"),
         payload: body
