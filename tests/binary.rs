@@ -502,6 +502,10 @@ async fn publish_never_declares_and_refuses_what_workers_would_dead_letter() {
     );
     assert_eq!(env.pending().await, 3);
 
+    let out = publish(&env.config.prefix, &["--count", "0"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--count must be at least 1"));
+
     let out = publish(
         &env.config.prefix,
         &["--due-in", "1h", "--expires-in", "10m"],

@@ -71,9 +71,7 @@ pub enum AmqpError {
     },
     #[error("RabbitMQ channel: {0}")]
     Channel(#[from] lapin::Error),
-    #[error(
-        "RabbitMQ did not answer {0} within {REPLY_TIMEOUT:?}: treating the connection as lost"
-    )]
+    #[error("RabbitMQ did not answer {0} within {REPLY_TIMEOUT:?}")]
     Timeout(&'static str),
     #[error("acking: {0}")]
     Ack(String),

@@ -12,8 +12,9 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use clap::Args;
 use tokio::sync::watch;
+use tollgate_amqp::Broker;
 use tollgate_core::{Adaptive, Clock, Quota, TenantId, UnixMillis};
-use tollgate_quota::{Actor, Change, Target};
+use tollgate_quota::{Actor, Change, QuotaStore, Target};
 
 use crate::fake_provider::{FakeProvider, Received, strict_limits};
 use tollgate::cli::{self, PublishArgs};
@@ -107,7 +108,6 @@ fn tenant_target(name: &str) -> anyhow::Result<Target> {
 type DueTimes = Arc<Mutex<HashMap<String, UnixMillis>>>;
 
 pub async fn run(base: &Config, args: &DemoArgs) -> anyhow::Result<()> {
-    let clock = SystemClock;
     let limits = PLANS
         .iter()
         .map(|p| (p.tenant.to_owned(), p.provider_limit))
@@ -125,7 +125,36 @@ pub async fn run(base: &Config, args: &DemoArgs) -> anyhow::Result<()> {
         .await
         .context("the demo needs RabbitMQ (run `make services`)")?;
     broker.declare_topology().await?;
+    let broker = Arc::new(broker);
     let store = cli::quota_store(&config)?;
+    // Whatever happens from here (an error, Ctrl-C), the prefix's queues
+    // and keys go: a demo never leaves a thousand messages behind.
+    let shown = show(&config, &broker, &store, &provider, args).await;
+    let cleaned = async {
+        broker.delete_topology().await?;
+        broker.close().await;
+        store.purge_prefix().await?;
+        anyhow::Ok(())
+    }
+    .await;
+    match (&shown, cleaned) {
+        (_, Ok(())) => println!("cleaned up prefix {}", config.prefix),
+        (Ok(()), Err(e)) => return Err(e.context(format!("cleaning up prefix {}", config.prefix))),
+        (Err(_), Err(e)) => eprintln!("could not clean up prefix {}: {e:#}", config.prefix),
+    }
+    shown
+}
+
+/// The demonstration itself, on a declared topology: quotas, workers,
+/// jobs, the live table and the summary; stops early on Ctrl-C.
+async fn show(
+    config: &Config,
+    broker: &Arc<Broker>,
+    store: &QuotaStore,
+    provider: &FakeProvider,
+    args: &DemoArgs,
+) -> anyhow::Result<()> {
+    let clock = SystemClock;
     let actor = Actor {
         who: "demo".into(),
         source: "cli",
@@ -183,19 +212,18 @@ pub async fn run(base: &Config, args: &DemoArgs) -> anyhow::Result<()> {
     let start = clock.now();
     for plan in &PLANS {
         if plan.backlog > 0 {
-            publish(&broker, &due, plan.tenant, plan.backlog, None).await?;
+            publish(broker, &due, plan.tenant, plan.backlog, None).await?;
         }
         for i in 0..plan.scheduled {
             let due_in =
                 Duration::from_millis(3_000 + u64::from(i) * 12_000 / u64::from(plan.scheduled));
-            publish(&broker, &due, plan.tenant, 1, Some(due_in)).await?;
+            publish(broker, &due, plan.tenant, 1, Some(due_in)).await?;
         }
         *published.entry(plan.tenant).or_default() += plan.backlog + plan.scheduled;
     }
-    let broker = Arc::new(broker);
     let live = Arc::new(Mutex::new(HashMap::<&'static str, u32>::new()));
     let producer = tokio::spawn(live_traffic(
-        Arc::clone(&broker),
+        Arc::clone(broker),
         Arc::clone(&due),
         Arc::clone(&live),
     ));
@@ -203,8 +231,15 @@ pub async fn run(base: &Config, args: &DemoArgs) -> anyhow::Result<()> {
     let started = Instant::now();
     let tty = std::io::stdout().is_terminal();
     let mut ticks = 0u64;
+    let mut interrupted = false;
     while started.elapsed() < args.duration {
-        tokio::time::sleep(Duration::from_secs(1)).await;
+        tokio::select! {
+            _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+            _ = tokio::signal::ctrl_c() => {
+                interrupted = true;
+                break;
+            }
+        }
         ticks += 1;
         if tty || ticks.is_multiple_of(5) {
             let counts = totals(&published, &live.lock().expect("not poisoned"));
@@ -228,6 +263,9 @@ pub async fn run(base: &Config, args: &DemoArgs) -> anyhow::Result<()> {
     let _ = stop_tx.send(true);
     for worker in workers {
         worker.await.context("worker task")??;
+    }
+    if interrupted {
+        anyhow::bail!("interrupted");
     }
 
     let counts = totals(&published, &live.lock().expect("not poisoned"));
@@ -260,10 +298,6 @@ pub async fn run(base: &Config, args: &DemoArgs) -> anyhow::Result<()> {
         );
     }
 
-    broker.delete_topology().await?;
-    broker.close().await;
-    store.purge_prefix().await?;
-    println!("cleaned up prefix {}", config.prefix);
     Ok(())
 }
 

@@ -742,8 +742,17 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
             }
             let wait = republish_delay(failures);
             failures += 1;
-            warn!(error = %error, what, failures, retry_in_ms = wait.as_millis() as u64,
-                "the broker refused a publish: retrying, the delivery is kept");
+            if matches!(error, tollgate_amqp::AmqpError::Timeout(_)) {
+                // Unconfirmed is not refused: the copy may be there already,
+                // and publishing again may leave it twice (a parked copy's
+                // second is a `duplicate`; a dead letter may be listed twice).
+                warn!(error = %error, what, failures, retry_in_ms = wait.as_millis() as u64,
+                    "a publish went unconfirmed: publishing again, the delivery is kept (the copy \
+                    may end up there twice)");
+            } else {
+                warn!(error = %error, what, failures, retry_in_ms = wait.as_millis() as u64,
+                    "the broker refused a publish: retrying, the delivery is kept");
+            }
             tokio::time::sleep(wait).await;
         }
     }

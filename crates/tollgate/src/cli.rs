@@ -343,6 +343,14 @@ impl PublishArgs {
 
 /// Builds the jobs `tollgate publish` would publish.
 pub fn build_jobs(args: &PublishArgs, now: UnixMillis) -> anyhow::Result<Vec<Job>> {
+    jobs_of(args, now, args.count)
+}
+
+/// `count` of the jobs `args` describe.
+fn jobs_of(args: &PublishArgs, now: UnixMillis, count: u32) -> anyhow::Result<Vec<Job>> {
+    if args.count == 0 {
+        bail!("--count must be at least 1");
+    }
     let tenant = TenantId::parse(args.tenant.as_str()).context("--tenant")?;
     let kind = Kind::parse(args.kind.as_str()).context("--kind")?;
     let payload = RawValue::from_string(args.payload.clone()).context("--payload is not JSON")?;
@@ -367,7 +375,7 @@ pub fn build_jobs(args: &PublishArgs, now: UnixMillis) -> anyhow::Result<Vec<Job
         .map(IdempotencyKey::parse)
         .transpose()
         .context("--idempotency-key")?;
-    (0..args.count)
+    (0..count)
         .map(|_| {
             let id = match &args.id {
                 Some(id) => JobId::parse(id.as_str()).context("--id")?,
@@ -498,21 +506,34 @@ fn refused_for_good(error: &anyhow::Error) -> bool {
 }
 
 pub async fn publish(config: &Config, args: &PublishArgs) -> anyhow::Result<()> {
+    /// Jobs built and published at a time: a `--count` of millions never
+    /// holds them all in memory (about 300 bytes each).
+    const CHUNK: u32 = 10_000;
     let now = SystemClock.now();
-    let jobs = build_jobs(args, now)?;
+    let first = jobs_of(args, now, 1)?;
     // As the workers will read it (they differ only in their ids): what
     // they would dead-letter as malformed is refused here instead (an
     // expiry before the due time, a kind no route knows, a payload too
     // large or too deep).
-    if let Some(job) = jobs.first() {
-        tollgate_core::job::decode(&job.to_json(), &config.limits())
-            .map_err(|e| anyhow::anyhow!("workers would dead-letter this job as malformed: {e}"))?;
+    tollgate_core::job::decode(&first[0].to_json(), &config.limits())
+        .map_err(|e| anyhow::anyhow!("workers would dead-letter this job as malformed: {e}"))?;
+    if args.count == 1 {
+        publish_reliably(config, &first, now, args.retry_for).await?;
+        println!(
+            "published job {} for tenant {}",
+            first[0].id, first[0].tenant
+        );
+        return Ok(());
     }
-    publish_reliably(config, &jobs, now, args.retry_for).await?;
-    match jobs.as_slice() {
-        [job] => println!("published job {} for tenant {}", job.id, job.tenant),
-        _ => println!("published {} jobs for tenant {}", jobs.len(), args.tenant),
+    let mut published = 0;
+    while published < args.count {
+        let jobs = jobs_of(args, now, CHUNK.min(args.count - published))?;
+        publish_reliably(config, &jobs, now, args.retry_for)
+            .await
+            .with_context(|| format!("{published} of {} jobs were published", args.count))?;
+        published += jobs.len() as u32;
     }
+    println!("published {published} jobs for tenant {}", args.tenant);
     Ok(())
 }
 
