@@ -226,10 +226,33 @@ async fn the_binary_runs_a_worker_and_every_verb_works() {
             "publish", "--tenant", "acme", "--due-in", "1500ms", "--id", "later-1",
         ],
     );
-    wait_for("21 sends", Duration::from_secs(20), || async {
-        provider.accepted() >= 21
+    // A payload read from a file (`@-` reads stdin the same way).
+    let file = std::env::temp_dir().join(format!("{}-payload.json", env.config.prefix));
+    std::fs::write(&file, r#"{"to":"from-a-file"}"#).unwrap();
+    let at_file = format!("@{}", file.display());
+    tollgate(
+        &env,
+        &[
+            "publish",
+            "--tenant",
+            "acme",
+            "--id",
+            "filed-1",
+            "--payload",
+            &at_file,
+        ],
+    );
+    std::fs::remove_file(&file).unwrap();
+    wait_for("22 sends", Duration::from_secs(20), || async {
+        provider.accepted() >= 22
     })
     .await;
+    let filed = provider
+        .received()
+        .into_iter()
+        .find(|r| r.job_id == "filed-1")
+        .unwrap();
+    assert_eq!(filed.body, r#"{"to":"from-a-file"}"#);
     let later = provider
         .received()
         .into_iter()
@@ -240,7 +263,7 @@ async fn the_binary_runs_a_worker_and_every_verb_works() {
         provider
             .received()
             .iter()
-            .filter(|r| r.job_id != "later-1")
+            .filter(|r| r.job_id != "later-1" && r.job_id != "filed-1")
             .all(|r| r.body == r#"{"to":"x"}"#)
     );
 
@@ -263,8 +286,8 @@ async fn the_binary_runs_a_worker_and_every_verb_works() {
     .await;
     let metrics = scrape().await;
     for line in [
-        r#"tollgate_jobs_completed_total{outcome="sent",tenant="acme"} 21"#,
-        r#"tollgate_provider_requests_total{outcome="sent",route="default",tenant="acme"} 21"#,
+        r#"tollgate_jobs_completed_total{outcome="sent",tenant="acme"} 22"#,
+        r#"tollgate_provider_requests_total{outcome="sent",route="default",tenant="acme"} 22"#,
         r#"tollgate_parked_total{reason="not_due",tenant="acme"} 1"#,
         "tollgate_jobs_in_flight 0",
     ] {

@@ -76,7 +76,7 @@ async fn hostile_messages_are_dead_lettered_with_a_precise_reason() {
         ("good".into(), br#"{"id":"h28","tenant":"good","kind":"EMAIL!"}"#.to_vec(), None, "invalid kind"),
         ("good".into(), br#"{"id":"h29","tenant":"good","kind":"fax"}"#.to_vec(), None, "unknown kind"),
         ("good".into(), br#"{"id":"h30","tenant":"good","idempotency_key":""}"#.to_vec(), None, "idempotency_key is empty"),
-        ("other".into(), br#"{"id":"h31","tenant":"good"}"#.to_vec(), None, "is not the job's tenant"),
+        ("other".into(), br#"{"id":"h31","tenant":"good"}"#.to_vec(), None, "not the job's tenant"),
         (
             "good".into(),
             br#"{"id":"h32","tenant":"good"}"#.to_vec(),

@@ -96,6 +96,11 @@ pub enum Malformed {
     UnknownKind(String),
     #[error("invalid tollgate header {name}: {reason}")]
     Header { name: &'static str, reason: String },
+    #[error(
+        "published with routing key {routing_key:?}, not the job's tenant {tenant:?} (the routing \
+         key must be the tenant: it picks the tenant's work queue)"
+    )]
+    RoutingKey { routing_key: String, tenant: String },
 }
 
 #[derive(Deserialize, Serialize)]

@@ -809,13 +809,9 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
     /// tenant (it decides the work queue) and the kind must have a route.
     fn check_envelope(&self, delivery: &Delivery, job: &Job) -> Result<(), Malformed> {
         if delivery.routing_key.as_str() != job.tenant.as_str() {
-            return Err(Malformed::Header {
-                name: "routing key",
-                reason: format!(
-                    "{:?} is not the job's tenant {:?}",
-                    delivery.routing_key.as_str(),
-                    job.tenant.as_str()
-                ),
+            return Err(Malformed::RoutingKey {
+                routing_key: delivery.routing_key.as_str().to_owned(),
+                tenant: job.tenant.as_str().to_owned(),
             });
         }
         if self.provider.route(job).is_none() {

@@ -93,8 +93,9 @@ pub struct PublishArgs {
     pub expires_in: Option<Duration>,
     #[arg(long, default_value_t = 1)]
     pub count: u32,
-    /// JSON forwarded to the provider.
-    #[arg(long, default_value = "{}")]
+    /// JSON forwarded to the provider; `@FILE` reads it from a file, `@-`
+    /// from stdin (a payload longer than a command line allows).
+    #[arg(long, default_value = "{}", value_parser = read_payload)]
     pub payload: String,
     /// Job id (only with --count 1); default: a random id.
     #[arg(long)]
@@ -108,6 +109,23 @@ pub struct PublishArgs {
     /// While RabbitMQ is unreachable, keep retrying this long before failing.
     #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
     pub retry_for: Duration,
+}
+
+/// `--payload` as given, or read from `@FILE` / `@-` (stdin). JSON never
+/// begins with `@`, so the two cannot be confused.
+fn read_payload(value: &str) -> Result<String, String> {
+    use std::io::Read;
+    let Some(path) = value.strip_prefix('@') else {
+        return Ok(value.to_owned());
+    };
+    let mut payload = String::new();
+    let read = if path == "-" {
+        std::io::stdin().read_to_string(&mut payload)
+    } else {
+        std::fs::File::open(path).and_then(|mut f| f.read_to_string(&mut payload))
+    };
+    read.map_err(|e| format!("reading the payload from {value}: {e}"))?;
+    Ok(payload)
 }
 
 /// Whose quota: a tenant, or with `--route` a provider route's shared bucket.
