@@ -2043,7 +2043,13 @@ fn a_job_a_little_late_for_its_kept_place_still_takes_it() {
 /// paces that do not divide the route's, beside one that could take the
 /// route: the places kept for each, stepped over or moved by the others'
 /// reservations, never bring two of the route's sends closer than its
-/// interval, nor a tenant's closer than its own; every job goes once.
+/// interval, nor a tenant's closer than its own; every job goes once; and
+/// nobody waits long between sends. The harness asks four jobs at once at
+/// the latest of their times, which makes a job up to a few hundred ms
+/// late for its kept place; about one run in a hundred, two of the 4/s
+/// tenant's places then land 20 ms apart, the second job goes to the back
+/// of its line, and the tenant waits out one 1 s hop (1.0–1.1 s between
+/// sends, its spacing 0.25 s): the bound is 1.5 s, not 1 s.
 #[test]
 fn kept_places_of_tenants_at_several_paces_keep_every_limit() {
     let quotas = ["4/s", "7/s", "9/s", "100/s"];
@@ -2053,7 +2059,7 @@ fn kept_places_of_tenants_at_several_paces_keep_every_limit() {
             let own = sends_of_tenant(&sends, quotas.len(), t);
             keeps_to(&own, rate, 1).unwrap_or_else(|e| panic!("tenant t{t}: {e}"));
             assert!(
-                gaps[t] < 1_000_000,
+                gaps[t] < 1_500_000,
                 "tenant t{t} went {} µs without a send",
                 gaps[t]
             );
