@@ -19,6 +19,8 @@ pub const SHARE_PLACE: &str = "x-tollgate-share-place";
 pub const REDELIVERIES: &str = "x-tollgate-redeliveries";
 /// Times in a row Redis (or an eligibility webhook) could not be reached.
 pub const UNAVAILABLE: &str = "x-tollgate-unavailable";
+/// 429s the job met (they use no attempt).
+pub const THROTTLED: &str = "x-tollgate-throttled";
 /// Set by RabbitMQ on a redelivered quorum-queue message: failed deliveries
 /// of this copy so far.
 pub const RABBITMQ_DELIVERY_COUNT: &str = "x-delivery-count";
@@ -34,10 +36,11 @@ pub const DEAD_AT_MS: &str = "x-tollgate-dead-at-ms";
 pub const LANE: &str = "tollgate-lane";
 
 /// Every header tollgate writes.
-pub const ALL: [&str; 14] = [
+pub const ALL: [&str; 15] = [
     LANE,
     REDELIVERIES,
     UNAVAILABLE,
+    THROTTLED,
     ATTEMPT,
     FIRST_SEEN_MS,
     QUOTA_WAIT_MS,
@@ -132,6 +135,7 @@ pub fn read_progress(headers: Option<&FieldTable>) -> Result<Progress, Malformed
     };
     let attempt = int(h, ATTEMPT)?.unwrap_or(0);
     let unavailable = int(h, UNAVAILABLE)?.unwrap_or(0);
+    let throttled = int(h, THROTTLED)?.unwrap_or(0);
     Ok(Progress {
         attempt: u32::try_from(attempt).map_err(|_| Malformed::Header {
             name: ATTEMPT,
@@ -140,6 +144,10 @@ pub fn read_progress(headers: Option<&FieldTable>) -> Result<Progress, Malformed
         unavailable: u32::try_from(unavailable).map_err(|_| Malformed::Header {
             name: UNAVAILABLE,
             reason: format!("{unavailable} is not a count"),
+        })?,
+        throttled: u32::try_from(throttled).map_err(|_| Malformed::Header {
+            name: THROTTLED,
+            reason: format!("{throttled} is not a count"),
         })?,
         first_seen: int(h, FIRST_SEEN_MS)?.map(UnixMillis),
         quota_wait: Duration::from_millis(int(h, QUOTA_WAIT_MS)?.unwrap_or(0) as u64),
@@ -197,6 +205,10 @@ pub fn write_progress(headers: &mut FieldTable, progress: &Progress) {
         UNAVAILABLE,
         (progress.unavailable > 0).then_some(i64::from(progress.unavailable)),
     );
+    set(
+        THROTTLED,
+        (progress.throttled > 0).then_some(i64::from(progress.throttled)),
+    );
     // This copy's count is folded into ours; the new copy starts from zero.
     set(RABBITMQ_DELIVERY_COUNT, None);
     match progress.park_reason {
@@ -243,6 +255,7 @@ mod tests {
             share_place: Some(1_765_000_000_123_456),
             redeliveries: 2,
             unavailable: 3,
+            throttled: 4,
         };
         let mut headers = FieldTable::default();
         write_progress(&mut headers, &progress);

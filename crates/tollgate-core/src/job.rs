@@ -276,6 +276,10 @@ pub struct Progress {
     /// Times in a row the permit store or an eligibility webhook could not
     /// be reached for this job: its next wait doubles with each.
     pub unavailable: u32,
+    /// 429s the provider answered this job with (they use no attempt): with
+    /// `attempt`, whether a call is the job's first, which alone measures
+    /// its due lag.
+    pub throttled: u32,
 }
 
 #[cfg(test)]

@@ -275,6 +275,12 @@ impl JobRun {
         self.progress.attempt.saturating_add(1)
     }
 
+    /// Whether the call about to be made is the job's first: neither a
+    /// failure nor a 429 came before it. Only that call measures due lag.
+    pub fn first_call(&self) -> bool {
+        self.progress.attempt == 0 && self.progress.throttled == 0
+    }
+
     /// The first step, and the step after every [`Action::Hold`] and
     /// [`Action::AwaitSlot`].
     pub fn next(&mut self, policy: &Policy, now: UnixMillis) -> Action {
@@ -439,6 +445,7 @@ impl JobRun {
             ProviderOutcome::Sent => Action::Complete(Completion::Sent),
             ProviderOutcome::Throttled { retry_after } => {
                 self.throttles_here = self.throttles_here.saturating_add(1);
+                self.progress.throttled = self.progress.throttled.saturating_add(1);
                 self.begin_wait(
                     policy,
                     now,
@@ -1079,6 +1086,27 @@ mod tests {
             other => panic!("the second 429's wait is parked: {other:?}"),
         }
         assert_eq!(run.attempt(), 1, "429s use no attempt");
+    }
+
+    /// Due lag is how late a job's first call began: a call after a 429
+    /// (which uses no attempt) or after a failure is not its first, in this
+    /// delivery or a parked copy's. Every call after a 429 used to count as
+    /// attempt 1, and a throttled tenant's lag was measured once per 429.
+    #[test]
+    fn only_a_jobs_first_call_measures_its_due_lag() {
+        let p = policy();
+        let mut run = JobRun::new(&job(""), Progress::default(), T0);
+        run.next(&p, T0);
+        run.on_permit(&p, GRANTED, T0, T0, 0.5);
+        assert!(run.first_call());
+        let throttled = ProviderOutcome::Throttled { retry_after: None };
+        run.on_provider(&p, throttled, T0, 0.5);
+        assert_eq!(run.attempt(), 1, "429s use no attempt");
+        assert!(!run.first_call(), "after a 429");
+        let parked = run.progress().clone();
+        assert_eq!(parked.throttled, 1);
+        let copy = JobRun::new(&job(""), parked, T0);
+        assert!(!copy.first_call(), "nor in the copy parked after it");
     }
 
     #[test]

@@ -1043,7 +1043,7 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
                         continue;
                     }
                     let attempt = run.attempt();
-                    let due_lag = (attempt == 1).then(|| run.due_reference().until(now));
+                    let due_lag = run.first_call().then(|| run.due_reference().until(now));
                     if let Some(lag) = due_lag {
                         self.metrics.due_lag(tenant, lag);
                     }

@@ -299,8 +299,10 @@ impl Config {
                     .filter(|key| {
                         !kubernetes_service_link(key.as_str()) && !is_file_key(key.as_str())
                     })
-                    // The CLI's own settings (clap reads them).
-                    .ignore(&["config", "actor"])
+                    // The CLI's own settings (clap reads them), and the
+                    // scripts' (`TOLLGATE_SKIP_SERVICES=1 make demo`, the
+                    // binary ops-check runs).
+                    .ignore(&["config", "actor", "skip_services", "bin"])
                     .split("__"),
             )
             .extract()
@@ -802,6 +804,9 @@ mod tests {
             jail.set_env("TOLLGATE_SERVICE_HOST", "10.0.0.7");
             jail.set_env("TOLLGATE_PORT", "tcp://10.0.0.7:9090");
             jail.set_env("TOLLGATE_PORT_9090_TCP_PROTO", "tcp");
+            // The scripts' own, as the README gives them.
+            jail.set_env("TOLLGATE_SKIP_SERVICES", "1");
+            jail.set_env("TOLLGATE_BIN", "target/release/tollgate");
             jail.set_env(
                 "TOLLGATE_PROVIDER_URL",
                 "http://user:pw@provider.internal/send",
