@@ -117,6 +117,23 @@ pub fn last_death(headers: &FieldTable) -> Option<(String, String)> {
     ))
 }
 
+/// [`read_progress`] of a delivery: RabbitMQ's `x-delivery-count` counts
+/// only when the broker redelivered it. On a first delivery the header can
+/// only be the producer's (or a copy moved back from the dead-letter queue
+/// by hand, where it counted the deliveries that made it `poison`), and
+/// counted, it dead-lettered the job as `poison` before any worker tried it.
+pub fn read_delivery_progress(
+    headers: Option<&FieldTable>,
+    redelivered: bool,
+) -> Result<Progress, Malformed> {
+    match headers {
+        Some(h) if !redelivered && h.contains_key(RABBITMQ_DELIVERY_COUNT) => {
+            read_progress(Some(&without(h.clone(), RABBITMQ_DELIVERY_COUNT)))
+        }
+        _ => read_progress(headers),
+    }
+}
+
 /// Reads the progress a delivery carries. Absent headers mean a fresh job.
 pub fn read_progress(headers: Option<&FieldTable>) -> Result<Progress, Malformed> {
     let Some(h) = headers else {
@@ -260,6 +277,24 @@ mod tests {
         let mut headers = FieldTable::default();
         write_progress(&mut headers, &progress);
         assert_eq!(read_progress(Some(&headers)).unwrap(), progress);
+    }
+
+    #[test]
+    fn rabbitmqs_delivery_count_counts_only_on_a_redelivery() {
+        let mut headers = FieldTable::default();
+        headers.insert(REDELIVERIES.into(), AMQPValue::LongLongInt(1));
+        headers.insert(RABBITMQ_DELIVERY_COUNT.into(), AMQPValue::LongLongInt(50));
+        let count = |redelivered| {
+            read_delivery_progress(Some(&headers), redelivered)
+                .unwrap()
+                .redeliveries
+        };
+        assert_eq!(count(true), 51);
+        assert_eq!(
+            count(false),
+            1,
+            "a producer's header is not the broker's count"
+        );
     }
 
     #[test]

@@ -764,7 +764,10 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
         commitment: &mut Commitment,
     ) -> Result<Settled, Handback> {
         let now = self.clock.now();
-        let progress = headers::read_progress(delivery.properties.headers().as_ref());
+        let progress = headers::read_delivery_progress(
+            delivery.properties.headers().as_ref(),
+            delivery.redelivered,
+        );
         let job = progress
             .and_then(|p| Ok((decode(&delivery.data, &self.limits)?, p)))
             .and_then(|(job, p)| self.check_envelope(delivery, &job).map(|()| (job, p)));
