@@ -1136,7 +1136,6 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
         used: PermitUse,
         penalty: Option<Penalty>,
     ) {
-        let stopping = self.stopping.subscribe();
         let mut stop_seen: Option<Instant> = None;
         let mut failures = 0u32;
         loop {
@@ -1168,7 +1167,7 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
             if used != PermitUse::Sent {
                 return;
             }
-            if *stopping.borrow() {
+            if *self.stopping.borrow() {
                 let since = *stop_seen.get_or_insert_with(Instant::now);
                 if since.elapsed() + wait > RECORD_RETRY_FOR {
                     error!(error = %error, failures, "sent, but the idempotency record could not be \
