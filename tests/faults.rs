@@ -1235,6 +1235,44 @@ async fn a_sent_record_outlasting_its_lease_is_written_once_redis_returns() {
     env.cleanup().await;
 }
 
+/// The other side of retrying a sent record until Redis answers: a worker
+/// stopped meanwhile still stops (it retries a few seconds more, then lets
+/// the delivery go, the documented limit), instead of waiting for Redis
+/// for ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_stopped_while_redis_is_away_after_a_call_still_stops() {
+    use std::io::Write;
+
+    let redis = PrivateRedis::start().await;
+    let port = redis.port;
+    let provider = FakeProvider::start(Arc::new(move |_, _| {
+        let mut redis = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+        write!(redis, "CLIENT PAUSE 600000 ALL\r\n").unwrap();
+        Reply::ok()
+    }))
+    .await
+    .unwrap();
+    let url = redis.url();
+    let env = TestEnv::new_with(&provider.url(), |c| {
+        c.redis_url = tollgate_core::SecretUrl::new(url);
+    })
+    .await;
+    let worker = env.spawn_worker().await;
+    env.publish("acme", 1, |_| {}).await;
+    wait_for("the call", Duration::from_secs(30), || async {
+        provider.accepted() == 1
+    })
+    .await;
+    let stopped = tokio::time::timeout(Duration::from_secs(120), worker.stop()).await;
+    assert!(
+        stopped.is_ok(),
+        "the worker never stopped while Redis was away"
+    );
+    let mut unpause = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    write!(unpause, "CLIENT UNPAUSE\r\n").unwrap();
+    env.cleanup().await;
+}
+
 /// A delay tier's queue deleted under a running worker: the broker returns
 /// every park to it as unroutable, without closing the channel. The worker
 /// used to retry that park forever (only a closed channel made it declare
