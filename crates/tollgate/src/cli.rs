@@ -884,7 +884,10 @@ pub async fn cancel(config: &Config, args: &CancelArgs, actor: &Actor) -> anyhow
         "cancellation of {by} for tenant {tenant} recorded for {}: any copy not yet sent is \
          skipped at its turn, using no quota (a job already sent is not affected, nor one due \
          after then)",
-        humantime::format_duration(Duration::from_secs(config.cancel_ttl_s))
+        match config.cancel_ttl_s {
+            s if s >= 86_400 => format!("{} days", s / 86_400),
+            s => humantime::format_duration(Duration::from_secs(s)).to_string(),
+        }
     );
     Ok(())
 }
