@@ -2269,3 +2269,49 @@ fn a_resumed_tenant_sends_at_once_not_behind_the_places_its_pause_emptied() {
         quotas.purge_prefix().await.unwrap();
     });
 }
+
+/// The route's set of tenants with work expired while its weights lived on
+/// (each key's TTL is only ever raised, and a set emptied and made again
+/// starts shorter): the weights of tenants long gone stayed in the sum,
+/// and a tenant alone on a 30/s route got 10/s of it (two gone, one weight
+/// each) for as long as the route stayed busy. Now a missing set clears
+/// them: the tenant alone sends at the route's pace.
+#[test]
+fn a_tenant_alone_on_a_route_gets_all_of_it_whoever_was_there_before() {
+    let alone = runtime().block_on(async {
+        let quota = Quota::new("100/s".parse().unwrap(), 1).unwrap();
+        let (pods, store) = fleet(quota, 1, false);
+        let route = route_of_30_per_second(&store).await;
+        let jobs = |tenant: &str, n: usize, from: u64| -> Vec<Simulated> {
+            (0..n)
+                .map(|i| Simulated {
+                    tenant: TenantId::parse(tenant).unwrap(),
+                    priority: tollgate_core::Priority::Normal,
+                    arrives: from + i as u64 * 1_000,
+                })
+                .collect()
+        };
+        let mut before = jobs("gone-a", 5, 0);
+        before.extend(jobs("gone-b", 5, 0));
+        simulate_pods(&pods, &route, &before, |_| 0, 2, 0).await;
+        // The set expires; the weights hash does not.
+        let config = tollgate::Config::load(None).unwrap();
+        let deleted = std::process::Command::new("redis-cli")
+            .args(["-u", config.redis_url.expose(), "DEL"])
+            .arg(store.keys().route_active(&route))
+            .output()
+            .expect("redis-cli runs");
+        assert_eq!(String::from_utf8_lossy(&deleted.stdout).trim(), "1");
+        let sends = simulate_pods(&pods, &route, &jobs("alone", 30, 5_000_000), |_| 0, 1, 0).await;
+        store.purge_prefix().await.unwrap();
+        sends
+    });
+    let times: Vec<u64> = alone.iter().map(|&(at, _)| at).collect();
+    let span = times.iter().max().unwrap() - times.iter().min().unwrap();
+    // 29 spacings of the route's 30/s (34 ms with the pacing margin): about
+    // 1 s; with the gone tenants' weights counted, three times that.
+    assert!(
+        span < 1_500_000,
+        "30 sends alone on a 30/s route took {span} µs"
+    );
+}

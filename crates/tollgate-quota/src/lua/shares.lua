@@ -26,6 +26,18 @@ local function share_clock(weights_key, active_key, tenant_name, weight, usable,
   local function field(name) return tonumber(redis.call('HGET', weights_key, name)) end
   local total = field('total') or 0
   local before = total
+  if total > 0 and redis.call('EXISTS', active_key) == 0 then
+    -- The set of tenants with work expired (its TTL and the weights' are
+    -- each only ever raised, and a set emptied and made again starts
+    -- shorter): every weight still counted is a tenant that left. Kept,
+    -- they held a tenant alone on the route to a fraction of it (1/3 with
+    -- two gone) for as long as the route stayed busy.
+    local fields = redis.call('HKEYS', weights_key)
+    for _, f in ipairs(fields) do
+      if string.sub(f, 1, 2) == 'w:' then redis.call('HDEL', weights_key, f) end
+    end
+    total = 0
+  end
   local done = redis.call('ZRANGEBYSCORE', active_key, '-inf', string.format('%.0f', now), 'LIMIT', 0, 100)
   for _, t in ipairs(done) do
     total = total - (field('w:' .. t) or 0)
