@@ -49,6 +49,16 @@ pub struct Policy {
     pub min_retry_after: Duration,
 }
 
+/// Longest hop of a quota wait. Halving alone sent a wait of minutes into
+/// the 1 and 2 min tiers, where a raised quota, or the capacity a tenant
+/// leaving a route frees, could not reach it: a backlog of a tenant whose
+/// quota went from 2/s back to 20/s sent nothing for 18.8 s with 144 jobs
+/// waiting, and one alone on a route went 53 s without a send. Capped, a
+/// change reaches every parked job within this; the price is a few more
+/// hops for the jobs of a backlog more than a minute deep (about rate ×
+/// (wait − 60 s) / 30 s more parks a second, a third more for a 200 s one).
+pub const QUOTA_HOP_MAX: Duration = Duration::from_secs(30);
+
 impl Policy {
     /// How long a 429 pauses: its `Retry-After`, else the default, never
     /// less than `min_retry_after`.
@@ -575,6 +585,7 @@ impl JobRun {
             // ms.
             ParkReason::Quota => remaining
                 .min((remaining / 2).max(policy.quota_recheck))
+                .min(QUOTA_HOP_MAX)
                 .min(remaining.saturating_sub(policy.hold_max / 2)),
             _ => remaining,
         };
@@ -974,6 +985,27 @@ mod tests {
             lucky.on_permit(&p, GRANTED, at(5_003), at(5_003), 0.5),
             Action::CallProvider
         );
+    }
+
+    /// However long the wait, a quota hop is at most [`QUOTA_HOP_MAX`], so a
+    /// raised quota or capacity freed on a route reaches the job within it.
+    #[test]
+    fn no_quota_hop_is_longer_than_the_cap() {
+        let p = policy();
+        for wait_s in [61, 300, 3_600] {
+            let mut run = JobRun::new(&job(""), Progress::default(), T0);
+            run.next(&p, T0);
+            let denied = place(
+                Duration::from_secs(wait_s),
+                Some(Duration::from_millis(500)),
+            );
+            match run.on_permit(&p, denied, T0, T0, 0.5) {
+                Action::Park { tier, .. } => {
+                    assert!(tier <= QUOTA_HOP_MAX, "a {wait_s} s wait hops {tier:?}")
+                }
+                other => panic!("a {wait_s} s wait is parked: {other:?}"),
+            }
+        }
     }
 
     #[test]
