@@ -294,10 +294,10 @@ class Live:
                         if self.verbose:
                             print(f"  data: {f.name}: {p['title']}: {expr}")
         url = f"{self.prom_url}/api/v1/label/tenant/values?" + urllib.parse.urlencode(
-            {"match[]": "tollgate_jobs_completed_total"})
+            {"match[]": "tollgate_permit_decisions_total"})
         tenants = json.loads(http_get(url)[1])["data"]
         if not set(JOBS) <= set(tenants):
-            fail(f"label_values(tollgate_jobs_completed_total, tenant) = {tenants}, expected {sorted(JOBS)}")
+            fail(f"label_values(tollgate_permit_decisions_total, tenant) = {tenants}, expected {sorted(JOBS)}")
         ok(f"promql: {n} dashboard queries ($tenant={TENANT}, $__rate_interval={' and '.join(RATE_INTERVALS)}) "
            f"parse and return data; tenant variable lists {sorted(tenants)}")
 

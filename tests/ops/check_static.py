@@ -281,8 +281,8 @@ def check_dashboards() -> None:
         tenant = variables.get("tenant")
         tq = (tenant or {}).get("query")
         tq = tq.get("query") if isinstance(tq, dict) else tq
-        if not tenant or tq != "label_values(tollgate_jobs_completed_total, tenant)":
-            fail(f"{where}: needs a `tenant` variable: label_values(tollgate_jobs_completed_total, tenant)")
+        if not tenant or tq != "label_values(tollgate_permit_decisions_total, tenant)":
+            fail(f"{where}: needs a `tenant` variable: label_values(tollgate_permit_decisions_total, tenant)")
         if tenant.get("datasource", {}).get("uid") != "${datasource}":
             fail(f"{where}: the tenant variable must use ${{datasource}}")
         ids = set()
@@ -327,7 +327,7 @@ def check_dashboards() -> None:
                 if unknown:
                     fail(f"{pw}: unknown metric(s) {sorted(unknown)}")
                 for h in HISTOGRAMS:
-                    if f"{h}_bucket" in e and "histogram_quantile" not in e and 'le="' not in e:
+                    if f"{h}_bucket" in e and "histogram_quantile" not in e and 'le="' not in e and 'le=~"' not in e:
                         fail(f"{pw}: {h}_bucket used without histogram_quantile or an le matcher")
                 all_exprs.append((f.name, title, e))
     for what, (metric, pattern) in REQUIRED_PANELS.items():
