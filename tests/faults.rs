@@ -801,6 +801,37 @@ async fn a_long_redis_outage_turns_no_job_into_poison() {
     env.cleanup().await;
 }
 
+/// What someone deletes under a running worker in [`delete_delay_tiers`].
+enum Deleted {
+    Exchanges,
+    Queues,
+}
+
+/// Someone deletes every delay tier's exchange, or its queue (the two share
+/// the tier's name), under the running workers.
+async fn delete_delay_tiers(env: &TestEnv, what: Deleted) {
+    use tollgate_amqp::lapin::options::{ExchangeDeleteOptions, QueueDeleteOptions};
+
+    let (conn, channel) = env.raw_channel().await;
+    let topology = env.broker.topology().clone();
+    for tier in env.config.tiers().unwrap().all() {
+        let name = topology.tier(*tier);
+        match what {
+            Deleted::Exchanges => {
+                channel
+                    .exchange_delete(name.as_str().into(), ExchangeDeleteOptions::default())
+                    .await
+            }
+            Deleted::Queues => channel
+                .queue_delete(name.as_str().into(), QueueDeleteOptions::default())
+                .await
+                .map(drop),
+        }
+        .unwrap();
+    }
+    conn.close(200, "deleted".into()).await.unwrap();
+}
+
 /// A publish to an exchange that is gone makes the broker close the
 /// publisher channel. The worker used to keep the dead channel: every park
 /// failed, the delivery was requeued at once, again and again, and ended as
@@ -808,8 +839,6 @@ async fn a_long_redis_outage_turns_no_job_into_poison() {
 /// the refused publish retried with backoff while the delivery is kept.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_closed_publisher_channel_is_reopened_and_nothing_is_lost() {
-    use tollgate_amqp::lapin::options::ExchangeDeleteOptions;
-
     let provider = FakeProvider::start(fake_provider::always_ok())
         .await
         .unwrap();
@@ -821,19 +850,7 @@ async fn a_closed_publisher_channel_is_reopened_and_nothing_is_lost() {
         provider.accepted() >= 5
     })
     .await;
-    // Someone deletes the delay tiers' exchanges under the running worker.
-    let (conn, channel) = env.raw_channel().await;
-    let topology = env.broker.topology().clone();
-    for tier in env.config.tiers().unwrap().all() {
-        channel
-            .exchange_delete(
-                topology.tier(*tier).as_str().into(),
-                ExchangeDeleteOptions::default(),
-            )
-            .await
-            .unwrap();
-    }
-    conn.close(200, "deleted".into()).await.unwrap();
+    delete_delay_tiers(&env, Deleted::Exchanges).await;
 
     wait_for("every job's effect", Duration::from_secs(60), || async {
         effects(&provider.received()).0.len() >= 40
@@ -1280,27 +1297,14 @@ async fn a_worker_stopped_while_redis_is_away_after_a_call_still_stops() {
 /// unroutable publish declares the topology again, and every job is sent.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_deleted_delay_queue_is_declared_again_and_nothing_stalls() {
-    use tollgate_amqp::lapin::options::QueueDeleteOptions;
-
     let provider = FakeProvider::start(fake_provider::always_ok())
         .await
         .unwrap();
     let env = TestEnv::new(&provider.url()).await;
     env.set_quota("paced", "10/s", 1).await;
     let worker = env.spawn_worker().await;
-    // Someone deletes the (empty) delay queues under the running worker.
-    let (conn, channel) = env.raw_channel().await;
-    let topology = env.broker.topology().clone();
-    for tier in env.config.tiers().unwrap().all() {
-        channel
-            .queue_delete(
-                topology.tier(*tier).as_str().into(),
-                QueueDeleteOptions::default(),
-            )
-            .await
-            .unwrap();
-    }
-    conn.close(200, "deleted".into()).await.unwrap();
+    // The delay queues are still empty.
+    delete_delay_tiers(&env, Deleted::Queues).await;
     let jobs = env.publish("paced", 30, |_| {}).await;
     wait_for("every job's effect", Duration::from_secs(60), || async {
         effects(&provider.received()).0.len() >= 30

@@ -300,6 +300,25 @@ async fn an_expired_copy_comes_back_through_the_lane_it_was_parked_for() {
     env.cleanup().await;
 }
 
+/// The one job in the work queues, taken unacked on `channel` (a confirmed
+/// publish is already in its queue).
+async fn take_from_work_queues(
+    channel: &tollgate_amqp::lapin::Channel,
+    topology: &tollgate_amqp::Topology,
+) -> tollgate_amqp::lapin::message::Delivery {
+    let mut delivery = None;
+    for queue in topology.queues(ShardQueue::Work) {
+        if let Some(msg) = channel
+            .basic_get(queue.as_str().into(), BasicGetOptions::default())
+            .await
+            .unwrap()
+        {
+            delivery = Some(msg.delivery);
+        }
+    }
+    delivery.expect("the job in a work queue")
+}
+
 /// A copy to recheck stays in its tier only as long as `park` says (the
 /// worker brings such copies back aligned to their places, so the copies
 /// of a backlog parked together do not come back as one herd).
@@ -317,18 +336,7 @@ async fn a_parked_copy_stays_in_its_tier_as_long_as_it_was_parked_for() {
         .await
         .unwrap();
     let (_conn, channel) = env.raw_channel().await;
-    // The publish was confirmed, so the job is already in its work queue.
-    let mut delivery = None;
-    for queue in topology.queues(ShardQueue::Work) {
-        if let Some(msg) = channel
-            .basic_get(queue.as_str().into(), BasicGetOptions::default())
-            .await
-            .unwrap()
-        {
-            delivery = Some(msg.delivery);
-        }
-    }
-    let delivery = delivery.expect("the job in a work queue");
+    let delivery = take_from_work_queues(&channel, &topology).await;
     let hour = Duration::from_secs(3600);
     env.broker
         .park(
@@ -375,17 +383,7 @@ async fn a_producers_expiration_never_reaches_a_dead_letter() {
         .with_message_id("m-1".into());
     env.publish_raw_with("acme", br#"{"x":1}"#, props).await;
     let (_conn, channel) = env.raw_channel().await;
-    let mut delivery = None;
-    for queue in topology.queues(ShardQueue::Work) {
-        if let Some(msg) = channel
-            .basic_get(queue.as_str().into(), BasicGetOptions::default())
-            .await
-            .unwrap()
-        {
-            delivery = Some(msg.delivery);
-        }
-    }
-    let delivery = delivery.expect("the job in a work queue");
+    let delivery = take_from_work_queues(&channel, &topology).await;
     assert!(delivery.properties.expiration().is_some());
     env.broker
         .dead_letter(

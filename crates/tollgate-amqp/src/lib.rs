@@ -256,7 +256,7 @@ impl Broker {
                 passive: true,
                 ..Default::default()
             };
-            let kind = lapin::ExchangeKind::Custom("x-consistent-hash".into());
+            let kind = lapin::ExchangeKind::Custom(topology::CONSISTENT_HASH.into());
             match channel
                 .exchange_declare(
                     exchange.as_str().into(),

@@ -186,7 +186,7 @@ impl Topology {
         declare_exchange(channel, &dlx, ExchangeKind::Fanout, durable, None).await?;
         for kind in ShardQueue::ALL {
             let exchange = self.exchange(kind);
-            let hashed = ExchangeKind::Custom("x-consistent-hash".into());
+            let hashed = ExchangeKind::Custom(CONSISTENT_HASH.into());
             declare_exchange(channel, &exchange, hashed, durable, None).await?;
             for queue in self.queues(kind) {
                 let mut args = quorum();
@@ -291,6 +291,10 @@ fn dead_letter_to(args: &mut FieldTable, exchange: &str) {
     );
     args.insert("x-overflow".into(), long_string("reject-publish"));
 }
+
+/// The type of the exchanges that spread tenants over the shards' queues
+/// (the `rabbitmq_consistent_hash_exchange` plugin's).
+pub(crate) const CONSISTENT_HASH: &str = "x-consistent-hash";
 
 fn long_string(s: &str) -> AMQPValue {
     AMQPValue::LongString(LongString::from(s))

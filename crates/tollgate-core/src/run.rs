@@ -35,12 +35,14 @@ pub struct Policy {
     pub unavailable_retry: Duration,
     pub unavailable_retry_max: Duration,
     /// Shortest hop of a quota wait. A quota wait hops through the tiers at
-    /// most half its remaining time at once (never less than this), and at
+    /// most half its remaining time at once (never less than this, never
+    /// more than [`QUOTA_HOP_MAX`]), and at
     /// each hop the job asks the permit store again: it keeps its place,
     /// re-spaced if the quota changed, or is sent at once when a raised
     /// quota has room. Halving keeps the churn of a backlog proportional to
-    /// the tenant's rate (about 2 × rate × ln(wait / this) hops per second),
-    /// not to its size, while a job near the front sees a raise within this.
+    /// the tenant's rate (about 2 × rate × ln(wait / this) hops per second,
+    /// more for waits past twice the cap), not to its size, while a job near
+    /// the front sees a raise within this.
     pub quota_recheck: Duration,
     /// Wait after a 429 that carried no usable `Retry-After`.
     pub default_retry_after: Duration,
