@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use proptest::prelude::*;
-use tollgate_core::ports::{Penalty, PermitRequest, PermitUse, ThrottleScope};
+use tollgate_core::ports::{Penalty, PermitRequest, PermitUse, SharePlace, ThrottleScope};
 use tollgate_core::{
     Clock, IdempotencyKey, JobId, Kind, ParkReason, PermitDecision, ProviderOutcome, Quota,
     TenantId,
@@ -276,11 +276,40 @@ async fn simulate_pods(
     at_once: usize,
     late: u64,
 ) -> Vec<(u64, usize)> {
-    simulate_leeways(pods, route, jobs, tie, at_once, late)
+    simulate_leeways(pods, route, jobs, tie, at_once, late, None)
         .await
         .into_iter()
         .map(|(at, i, _)| (at, i))
         .collect()
+}
+
+/// Quota changes made while a simulated run goes on: each (µs after T0,
+/// target, change) is applied before the first ask at or after its time.
+struct Live<'a> {
+    quotas: &'a QuotaStore,
+    changes: Vec<(u64, tollgate_quota::Target, tollgate_quota::Change)>,
+}
+
+/// [`simulate`] with quota changes made as it runs.
+async fn simulate_live(
+    permits: &RedisPermits,
+    route: &Kind,
+    jobs: &[Simulated],
+    live: Live<'_>,
+) -> Vec<(u64, usize)> {
+    simulate_leeways(
+        std::slice::from_ref(permits),
+        route,
+        jobs,
+        |_| 0,
+        1,
+        0,
+        Some(live),
+    )
+    .await
+    .into_iter()
+    .map(|(at, i, _)| (at, i))
+    .collect()
 }
 
 /// [`simulate_pods`], each send with how late its call may begin (µs).
@@ -291,6 +320,7 @@ async fn simulate_leeways(
     tie: impl Fn(usize) -> i64,
     at_once: usize,
     late: u64,
+    mut live: Option<Live<'_>>,
 ) -> Vec<(u64, usize, u64)> {
     use tollgate_core::ports::Returning;
     let ids: Vec<JobId> = (0..jobs.len())
@@ -300,7 +330,7 @@ async fn simulate_leeways(
     const TIERS_MS: [u64; 6] = [100, 250, 500, 1_000, 5_000, 30_000];
     /// A job's place: time left (µs), the spacing it was given, and its
     /// place on its share of the route if it is one.
-    type Place = Option<(u64, Option<Duration>, Option<u64>)>;
+    type Place = Option<(u64, Option<Duration>, Option<SharePlace>)>;
     // (when it asks next, job, its place).
     let mut asks: Vec<(u64, usize, Place)> = jobs
         .iter()
@@ -315,6 +345,15 @@ async fn simulate_leeways(
         asks.sort_by_key(|&(at, i, _)| (at, tie(i), i));
         let now_asking: Vec<_> = asks.drain(..at_once.min(asks.len())).collect();
         let at = now_asking.iter().map(|&(at, ..)| at).max().unwrap();
+        if let Some(live) = live.as_mut() {
+            while live.changes.first().is_some_and(|&(when, ..)| when <= at) {
+                let (_, target, change) = live.changes.remove(0);
+                live.quotas
+                    .apply(&target, change, &test_actor())
+                    .await
+                    .unwrap();
+            }
+        }
         let decisions = now_asking.iter().map(|&(_, i, place)| {
             let req = PermitRequest {
                 priority: jobs[i].priority,
@@ -346,7 +385,7 @@ async fn simulate_leeways(
                         .map(|ms| ms * 1_000)
                         .find(|&t| t <= wait)
                         .unwrap_or(wait);
-                    let share_place = share.map(|s| s.first);
+                    let share_place = share.map(|s| s.first_place());
                     let left = (wait - hop).saturating_sub(late);
                     asks.push((at + hop + late, i, Some((left, interval, share_place))));
                 }
@@ -704,6 +743,20 @@ fn sorted_within_the_route(mut sends: Vec<(u64, usize)>, jobs: usize) -> Vec<(u6
     sends
 }
 
+/// Stores whose tenants' own quotas (1000/s) are far above the route's
+/// 30/s, and that route; decided as on a Redis Cluster when `split`
+/// ([`split_stores`]).
+async fn wide_tenants_on_a_30_per_second_route(split: bool) -> (RedisPermits, QuotaStore, Kind) {
+    let quota = Quota::new("1000/s".parse().unwrap(), 1).unwrap();
+    let (permits, quotas) = if split {
+        split_stores(quota)
+    } else {
+        stores(quota)
+    };
+    let route = route_of_30_per_second(&quotas).await;
+    (permits, quotas, route)
+}
+
 /// Three tenants with backlogs of `per_tenant` jobs share a route of 30/s
 /// (their own quotas are far above it) with weights 1, 2 and 3; tenant t's
 /// jobs arrive one every 0.1 ms from `starts[t]` µs. Checks that the route's
@@ -714,13 +767,7 @@ fn sorted_within_the_route(mut sends: Vec<(u64, usize)>, jobs: usize) -> Vec<(u6
 fn shares_by_weight(per_tenant: usize, starts: [u64; 3], split: bool) -> [f64; 3] {
     let weights = [1u32, 2, 3];
     let (sends, jobs) = runtime().block_on(async {
-        let quota = Quota::new("1000/s".parse().unwrap(), 1).unwrap();
-        let (permits, quotas) = if split {
-            split_stores(quota)
-        } else {
-            stores(quota)
-        };
-        let route = route_of_30_per_second(&quotas).await;
+        let (permits, quotas, route) = wide_tenants_on_a_30_per_second_route(split).await;
         let tenants: Vec<TenantId> = (0..weights.len())
             .map(|t| TenantId::parse(format!("w{t}")).unwrap())
             .collect();
@@ -883,7 +930,10 @@ fn a_place_from_the_share_line_is_not_respaced_as_the_tenants() {
         let share_spacing = Duration::from_micros(2_020);
         // The first goes to the back of the line (400 ms), the second's
         // place is at most the line's next free one (500 ms).
-        for (i, share_place, within) in [(4, Some(0), 400), (5, None, 500)] {
+        for (i, share_place, within) in [
+            (4, Some(SharePlace { at: 0, step: None }), 400),
+            (5, None, 500),
+        ] {
             let req = PermitRequest {
                 returning: Some(tollgate_core::ports::Returning {
                     remaining: Duration::from_millis(10),
@@ -1731,8 +1781,16 @@ fn limits_hold(
             )
             .await;
         }
-        let sends =
-            simulate_leeways(&pods, &email, &jobs, |_| 0, at_once, deployed.unwrap_or(0)).await;
+        let sends = simulate_leeways(
+            &pods,
+            &email,
+            &jobs,
+            |_| 0,
+            at_once,
+            deployed.unwrap_or(0),
+            None,
+        )
+        .await;
         // Once the last send and every place handed out have passed, a job
         // of each tenant, two seconds apart, goes at once: nothing is left
         // reserved on the route or the tenant. (A job back for its place
@@ -2314,4 +2372,72 @@ fn a_tenant_alone_on_a_route_gets_all_of_it_whoever_was_there_before() {
         span < 1_500_000,
         "30 sends alone on a 30/s route took {span} µs"
     );
+}
+
+/// Two tenants of weight 1 with backlogs share a 30/s route; one's weight
+/// is raised to 5 while most of both backlogs are parked for places on
+/// their share lines. The places already given are re-spaced with the new
+/// weights: the route stays full, and from then on the raised tenant gets
+/// five sends in six. (Kept at the old step, they held both tenants to the
+/// old share of a sum that had tripled: the route sent 10/s of its 30.)
+/// The same when the route's keys live in a slot of their own.
+#[test]
+fn a_weight_changed_live_re_spaces_the_places_already_given() {
+    for split in [false, true] {
+        let (sends, jobs) = runtime().block_on(async {
+            let (permits, quotas, route) = wide_tenants_on_a_30_per_second_route(split).await;
+            let tenants = [
+                TenantId::parse("wa").unwrap(),
+                TenantId::parse("wb").unwrap(),
+            ];
+            let jobs: Vec<Simulated> = (0..600)
+                .map(|i| Simulated {
+                    tenant: tenants[i % 2].clone(),
+                    priority: tollgate_core::Priority::Normal,
+                    arrives: (i / 2) as u64 * 100,
+                })
+                .collect();
+            let raise = (
+                4_000_000,
+                tollgate_quota::Target::Tenant(tenants[0].clone()),
+                tollgate_quota::Change::SetWeight(5),
+            );
+            let live = Live {
+                quotas: &quotas,
+                changes: vec![raise],
+            };
+            let sends = simulate_live(&permits, &route, &jobs, live).await;
+            quotas.purge_prefix().await.unwrap();
+            (sends, jobs)
+        });
+        assert_eq!(sends.len(), jobs.len(), "every job is sent once");
+        // From a second after the raise (time for every parked job to have
+        // come back once) until the raised tenant's last send.
+        let raised_done = sends
+            .iter()
+            .filter(|&&(_, i)| i % 2 == 0)
+            .map(|&(at, _)| at)
+            .max()
+            .unwrap();
+        let (from, until) = (5_000_000, raised_done);
+        let counts = sends
+            .iter()
+            .filter(|&&(at, _)| at >= from && at <= until)
+            .fold([0usize; 2], |mut c, &(_, i)| {
+                c[i % 2] += 1;
+                c
+            });
+        let sent = (counts[0] + counts[1]) as f64;
+        let seconds = (until - from) as f64 / 1e6;
+        // 30/s less the 2 % pacing margin.
+        assert!(
+            sent / seconds >= 0.9 * 30.0 / 1.02,
+            "split {split}: the route sent {sent} in {seconds:.2} s after the raise: {counts:?}"
+        );
+        let share = counts[0] as f64 / sent;
+        assert!(
+            (share / (5.0 / 6.0) - 1.0).abs() <= 0.05,
+            "split {split}: the raised tenant got {share:.3} of the sends, not 5/6: {counts:?}"
+        );
+    }
 }

@@ -5,6 +5,7 @@
 use std::time::Duration;
 
 use lapin::types::{AMQPValue, FieldTable, LongString};
+use tollgate_core::ports::SharePlace;
 use tollgate_core::{Lane, Malformed, ParkReason, Progress, UnixMillis};
 
 pub const ATTEMPT: &str = "x-tollgate-attempt";
@@ -16,6 +17,8 @@ pub const ENQUEUED_MS: &str = "x-tollgate-enqueued-ms";
 pub const SLOT_INTERVAL_US: &str = "x-tollgate-slot-interval-us";
 /// A place on a tenant's share of a route, in the route's virtual time.
 pub const SHARE_PLACE: &str = "x-tollgate-share-place";
+/// The tenant's step on the route's virtual time when that place was given.
+pub const SHARE_STEP: &str = "x-tollgate-share-step";
 pub const REDELIVERIES: &str = "x-tollgate-redeliveries";
 /// Times in a row Redis (or an eligibility webhook) could not be reached.
 pub const UNAVAILABLE: &str = "x-tollgate-unavailable";
@@ -36,7 +39,7 @@ pub const DEAD_AT_MS: &str = "x-tollgate-dead-at-ms";
 pub const LANE: &str = "tollgate-lane";
 
 /// Every header tollgate writes.
-pub const ALL: [&str; 15] = [
+pub const ALL: [&str; 16] = [
     LANE,
     REDELIVERIES,
     UNAVAILABLE,
@@ -49,6 +52,7 @@ pub const ALL: [&str; 15] = [
     ENQUEUED_MS,
     SLOT_INTERVAL_US,
     SHARE_PLACE,
+    SHARE_STEP,
     REASON,
     DETAIL,
     DEAD_AT_MS,
@@ -153,6 +157,7 @@ pub fn read_progress(headers: Option<&FieldTable>) -> Result<Progress, Malformed
     let attempt = int(h, ATTEMPT)?.unwrap_or(0);
     let unavailable = int(h, UNAVAILABLE)?.unwrap_or(0);
     let throttled = int(h, THROTTLED)?.unwrap_or(0);
+    let share_step = int(h, SHARE_STEP)?.and_then(|v| u64::try_from(v).ok());
     Ok(Progress {
         attempt: u32::try_from(attempt).map_err(|_| Malformed::Header {
             name: ATTEMPT,
@@ -183,7 +188,12 @@ pub fn read_progress(headers: Option<&FieldTable>) -> Result<Progress, Malformed
         park_reason,
         enqueued_at: int(h, ENQUEUED_MS)?.map(UnixMillis),
         slot_interval: int(h, SLOT_INTERVAL_US)?.map(|us| Duration::from_micros(us as u64)),
-        share_place: int(h, SHARE_PLACE)?.and_then(|v| u64::try_from(v).ok()),
+        share_place: int(h, SHARE_PLACE)?
+            .and_then(|v| u64::try_from(v).ok())
+            .map(|at| SharePlace {
+                at,
+                step: share_step,
+            }),
         // Earlier copies' unsettled deliveries plus this copy's.
         redeliveries: [int(h, REDELIVERIES)?, int(h, RABBITMQ_DELIVERY_COUNT)?]
             .into_iter()
@@ -215,7 +225,14 @@ pub fn write_progress(headers: &mut FieldTable, progress: &Progress) {
     );
     set(
         SHARE_PLACE,
-        progress.share_place.and_then(|v| i64::try_from(v).ok()),
+        progress.share_place.and_then(|p| i64::try_from(p.at).ok()),
+    );
+    set(
+        SHARE_STEP,
+        progress
+            .share_place
+            .and_then(|p| p.step)
+            .and_then(|v| i64::try_from(v).ok()),
     );
     set(REDELIVERIES, Some(i64::from(progress.redeliveries)));
     set(
@@ -269,7 +286,10 @@ mod tests {
             park_reason: Some(ParkReason::Throttled),
             enqueued_at: Some(UnixMillis(8_000)),
             slot_interval: Some(Duration::from_micros(50_000)),
-            share_place: Some(1_765_000_000_123_456),
+            share_place: Some(SharePlace {
+                at: 1_765_000_000_123_456,
+                step: Some(33_334),
+            }),
             redeliveries: 2,
             unavailable: 3,
             throttled: 4,

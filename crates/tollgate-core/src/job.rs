@@ -267,7 +267,7 @@ pub struct Progress {
     pub slot_interval: Option<Duration>,
     /// Its place on its tenant's share of a route, in the route's virtual
     /// time: opaque here, given back to the permit store as it came.
-    pub share_place: Option<u64>,
+    pub share_place: Option<crate::ports::SharePlace>,
     /// Deliveries that never settled (the worker crashed, hung or panicked),
     /// summed over every copy: RabbitMQ's own delivery count starts again
     /// for a parked copy, so a job that keeps crashing workers between

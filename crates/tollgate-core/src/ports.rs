@@ -43,7 +43,18 @@ pub struct Returning {
     /// Spacing its place was computed with.
     pub interval: Option<std::time::Duration>,
     /// Its place on its tenant's share of a route, as the store gave it.
-    pub share_place: Option<u64>,
+    pub share_place: Option<SharePlace>,
+}
+
+/// A place on a tenant's share of a route, in the route's virtual time,
+/// with the tenant's step there when it was given (so the store can
+/// re-space it after the tenant's weight or the route's quota changed).
+/// Opaque outside the store: given back as it came.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SharePlace {
+    pub at: u64,
+    /// `None`: not known (a copy from before steps were kept).
+    pub step: Option<u64>,
 }
 
 /// Whom a provider's 429 pauses, per route.

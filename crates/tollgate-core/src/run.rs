@@ -114,7 +114,7 @@ pub enum PermitDecision {
         /// A place on the tenant's share of a route, in the route's virtual
         /// time (carried with the job and given back as it came, so the
         /// store can place it however the shares have moved since).
-        share_place: Option<u64>,
+        share_place: Option<crate::ports::SharePlace>,
     },
     /// The idempotency key is already recorded as sent.
     Duplicate,
@@ -872,11 +872,15 @@ mod tests {
         // and the wait goes on as a hop, not counted twice.
         let mut back = JobRun::new(&job(""), run.progress().clone(), at(5_004));
         assert_eq!(back.next(&p, at(5_004)), Action::AskPermit);
+        let place = crate::ports::SharePlace {
+            at: 1_234_567,
+            step: Some(33_334),
+        };
         let kept = PermitDecision::Denied {
             retry_in: Duration::from_millis(2_496),
             interval: Some(Duration::from_millis(100)),
             kept: true,
-            share_place: Some(1_234_567),
+            share_place: Some(place),
         };
         assert_eq!(
             back.on_permit(&p, kept, at(5_004), at(5_004), 0.5),
@@ -895,7 +899,7 @@ mod tests {
         // A place on a share of a route goes with the job, as it came.
         assert_eq!(
             back.returning(at(6_000)).and_then(|r| r.share_place),
-            Some(1_234_567)
+            Some(place)
         );
         assert_eq!(
             back.next(&p, at(6_600)),

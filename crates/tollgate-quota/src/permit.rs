@@ -26,7 +26,7 @@ use redis::Script;
 use redis::cluster_routing::Slot;
 use tokio::sync::{mpsc, oneshot};
 use tollgate_core::ports::{
-    Decided, Learned, Penalty, PermitRequest, PermitStore, PermitUse, ThrottleScope,
+    Decided, Learned, Penalty, PermitRequest, PermitStore, PermitUse, SharePlace, ThrottleScope,
 };
 use tollgate_core::{Kind, PermitDecision, Priority, Quota, Shadow, TenantId, UnixMillis};
 
@@ -74,7 +74,6 @@ struct PermitKeys {
 }
 
 impl PermitKeys {
-    #[cfg(test)]
     const NAMES: [&'static str; 21] = [
         "tenant_quota_key",
         "tenant_tat_key",
@@ -185,11 +184,11 @@ struct PermitArgs<'a> {
     returning_share_place: Option<u64>,
     default_changed_ms: Option<u64>,
     route_at: Option<u64>,
+    returning_share_step: Option<u64>,
 }
 
 impl PermitArgs<'_> {
-    #[cfg(test)]
-    const NAMES: [&'static str; 20] = [
+    const NAMES: [&'static str; 21] = [
         "default_count",
         "default_period_ms",
         "default_burst",
@@ -210,10 +209,11 @@ impl PermitArgs<'_> {
         "returning_share_place",
         "default_changed_ms",
         "route_at",
+        "returning_share_step",
     ];
 
     /// In [`PermitArgs::NAMES`] order.
-    fn in_order(&self) -> [String; 20] {
+    fn in_order(&self) -> [String; 21] {
         let optional = |v: Option<u64>| v.map(|v| v.to_string()).unwrap_or_default();
         [
             self.default_count.to_string(),
@@ -236,6 +236,7 @@ impl PermitArgs<'_> {
             optional(self.returning_share_place),
             optional(self.default_changed_ms),
             optional(self.route_at),
+            optional(self.returning_share_step),
         ]
     }
 }
@@ -303,6 +304,14 @@ pub struct SharePlaces {
 }
 
 impl SharePlaces {
+    /// The first, as a job carries it.
+    pub fn first_place(&self) -> SharePlace {
+        SharePlace {
+            at: self.first,
+            step: Some(self.step),
+        }
+    }
+
     /// From a script's reply: the first place and the step, when both are
     /// there (0: none).
     fn from_reply(first: Option<&i64>, step: Option<&i64>) -> Option<Self> {
@@ -336,7 +345,7 @@ impl Local {
         }
         let retry_in = slots.next.saturating_duration_since(now);
         let interval = slots.interval;
-        let share_place = slots.share.map(|s| s.first);
+        let share_place = slots.share.map(|s| s.first_place());
         slots.next += interval;
         slots.left -= 1;
         if let Some(share) = slots.share.as_mut() {
@@ -384,7 +393,7 @@ impl Local {
                     retry_in,
                     interval,
                     kept,
-                    share_place: share.map(|s| s.first),
+                    share_place: share.map(|s| s.first_place()),
                 }
             }
             Reply::Decision(decision) => {
@@ -496,6 +505,18 @@ impl Group {
             Group::RouteComplete => 'R',
         }
     }
+
+    /// How many keys and arguments its group takes, as `batch.lua` reads
+    /// them (a test checks both agree): one more or less shifts every
+    /// group after it in a batch.
+    fn shape(self) -> (usize, usize) {
+        match self {
+            Group::Permit => (PermitKeys::NAMES.len(), PermitArgs::NAMES.len()),
+            Group::Complete => (9, 7),
+            Group::RouteReserve => (8, 9),
+            Group::RouteGiveBack | Group::RouteComplete => (3, 3),
+        }
+    }
 }
 
 /// One job's group in a batched call: its keys and arguments, and who
@@ -574,6 +595,7 @@ impl Batched {
         reads_clock: bool,
         backlog: bool,
     ) -> Result<Vec<i64>, QuotaError> {
+        debug_assert_eq!((keys.len(), args.len()), group.shape(), "{group:?}");
         let queue = self.queue.get_or_init(|| {
             let (queue, calls) = mpsc::unbounded_channel();
             tokio::spawn(call_in_batches(
@@ -914,9 +936,13 @@ impl RedisPermits {
                     pacing.clone(),
                     micros(s.horizon).to_string(),
                     now_arg.clone(),
-                    place.map(|p| p.to_string()).unwrap_or_default(),
+                    place.map(|p| p.at.to_string()).unwrap_or_default(),
                     req.tenant.as_str().to_owned(),
                     weight.unwrap_or_default(),
+                    place
+                        .and_then(|p| p.step)
+                        .map(|s| s.to_string())
+                        .unwrap_or_default(),
                 ],
                 false,
             )
@@ -1017,6 +1043,12 @@ impl RedisPermits {
             burst: s.default_quota.burst,
             changed_ms: None,
         });
+        // With the route's keys in another slot, a place on the route's
+        // line is the route's call's (`decide_made`).
+        let share_place = req
+            .returning
+            .and_then(|r| r.share_place)
+            .filter(|_| !self.split);
         let args = PermitArgs {
             default_count: d.count,
             default_period_ms: d.period_ms,
@@ -1035,12 +1067,8 @@ impl RedisPermits {
             reserve_us: micros(req.reserve_within.unwrap_or(s.horizon).min(s.horizon)),
             priority: req.priority,
             tenant_name: req.tenant.as_str(),
-            // With the route's keys in another slot, a place on the route's
-            // line is the route's call's (`decide_made`).
-            returning_share_place: req
-                .returning
-                .and_then(|r| r.share_place)
-                .filter(|_| !self.split),
+            returning_share_place: share_place.map(|p| p.at),
+            returning_share_step: share_place.and_then(|p| p.step),
             default_changed_ms: d.changed_ms,
             route_at,
         };
@@ -1501,6 +1529,24 @@ mod contract {
     fn the_rust_side_names_the_scripts_keys_and_arguments_in_its_order() {
         assert_eq!(bound(PERMIT_LUA, "KEYS"), PermitKeys::NAMES);
         assert_eq!(bound(PERMIT_LUA, "ARGV"), PermitArgs::NAMES);
+        // `batch.lua` cuts each group's keys and arguments by these counts.
+        for group in [
+            Group::Permit,
+            Group::Complete,
+            Group::RouteReserve,
+            Group::RouteGiveBack,
+            Group::RouteComplete,
+        ] {
+            let (keys, args) = group.shape();
+            let cut = include_str!("lua/batch.lua")
+                .lines()
+                .map(str::trim)
+                .find(|l| l.starts_with(&format!("{} = {{", group.letter())));
+            assert!(
+                cut.is_some_and(|l| l.ends_with(&format!(", {keys}, {args}}},"))),
+                "batch.lua cuts {group:?} as {cut:?}, not {keys} keys and {args} arguments"
+            );
+        }
         for (table, names) in [
             ("KEYS", &PermitKeys::NAMES[..]),
             ("ARGV", &PermitArgs::NAMES[..]),

@@ -24,7 +24,8 @@
 -- KEYS[11] route_quota_key            hash: count period_ms burst
 -- KEYS[12] route_tat_key              the route's TAT
 -- KEYS[13] route_share_key            this tenant's line on the route (its share of the route's capacity):
---                                     its next free place, in the route's virtual time
+--                                     '<place> <step>', its next free place in the route's virtual time and
+--                                     the tenant's step there when it was given
 -- KEYS[14] route_penalty_key          provider 429 on a route whose 429s are account-wide
 -- KEYS[15] tenant_waiting_high_key    the tenant's line of waiting high-priority jobs (as KEYS[3])
 -- KEYS[16] tenant_waiting_low_key     the tenant's line of waiting low-priority jobs (as KEYS[3])
@@ -62,6 +63,7 @@
 --                                     `route.lua`) when the route's keys live in another slot: granted
 --                                     at exactly that time if the tenant's pace allows a send then, else
 --                                     denied ("" = no such reservation; the route keys above decide)
+-- ARGV[21] returning_share_step       the step (virtual) that place was given at ("" = unknown: today's)
 --
 -- Reply: one {code, a, b, c} per group, in order:
 --   {0, delay, shadow, send, leeway, late, weight}
@@ -124,6 +126,7 @@ local function permit(KEYS, ARGV)
   local returning_share_place = ARGV[18]
   local default_changed_ms = ARGV[19]
   local route_at = ARGV[20]
+  local returning_share_step = ARGV[21]
 
   local now = now_us(now_override_us)
   local horizon = tonumber(horizon_us)
@@ -210,8 +213,7 @@ local function permit(KEYS, ARGV)
     if cached ~= nil then return cached or nil end
     local read, at = line_read[waiting_key], nil
     if read and b[4] then
-      local v = tonumber(read)
-      if v then at = b[4].real(v) end
+      at = b[4].line(read)
     elseif read then
       local place, iv = string.match(read, '^(%S+) (%S+)$')
       at = tonumber(place)
@@ -225,7 +227,7 @@ local function permit(KEYS, ARGV)
   local function push_line(waiting_key, next_at, b)
     local ttl = math.max(math.ceil((next_at - now) / 1000) + 1000, 1)
     if b[4] then
-      redis.call('SET', waiting_key, string.format('%.3f', b[4].virtual(next_at)), 'PX', ttl)
+      redis.call('SET', waiting_key, b[4].head(next_at), 'PX', ttl)
     else
       redis.call('SET', waiting_key, string.format('%.0f %.3f', next_at, b[1]), 'PX', ttl)
     end
@@ -499,6 +501,7 @@ local function permit(KEYS, ARGV)
     -- or idle: the route's next slots may be other tenants' places, and a slot
     -- left idle should go to a job that is behind its place, not ahead of it.
     local share_place = share and remaining and tonumber(returning_share_place)
+    if share_place then share_place = share[4].place(share_place, tonumber(returning_share_step)) end
     -- A denial with places on the share line: the first, `v` in the route's
     -- virtual time, and their spacing there go with it (the job brings its
     -- place back).

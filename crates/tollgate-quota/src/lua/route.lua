@@ -40,11 +40,12 @@ end
 -- Keys (8): route quota, route TAT, route holes, route penalty, route
 -- adapt, the tenant's line on the route (its next free place, in the
 -- route's virtual time), the route's tenants with work, their weights.
--- Arguments (8): not_before_in_us (from now: the tenant's own place, for a
+-- Arguments (9): not_before_in_us (from now: the tenant's own place, for a
 -- job back from the tenant's line), window_us, pacing factor, horizon_us,
 -- "now" override in microseconds (tests only; "" = Redis TIME), the job's
 -- place on its tenant's line on the route (virtual; "" = none), the
--- tenant's name, its weight as its slot last told the pod ("" = 1).
+-- tenant's name, its weight as its slot last told the pod ("" = 1), the
+-- step (virtual) the job's place was given at ("" = unknown: today's).
 --
 -- Unlike on one Redis, a tenant held below its share by its own quota
 -- counts with its whole weight here: the tenant's quota is in its own slot.
@@ -86,9 +87,9 @@ local function route_reserve(k, a)
 
   local clock, total = share_clock(weights_key, active_key, tenant_name, tonumber(a[8]) or 1, 1, b[1], now)
   local spacing = clock.step * total
-  local line_v = tonumber(redis.call('GET', line_key))
-  local line = line_v and clock.real(line_v)
+  local line = clock.line(redis.call('GET', line_key))
   local place_v = tonumber(a[6])
+  if place_v then place_v = clock.place(place_v, tonumber(a[9])) end
   local place = place_v and clock.real(place_v)
   -- A job back for its place on its tenant's line (`not_before`), not for
   -- one on the route's.
@@ -103,7 +104,7 @@ local function route_reserve(k, a)
     share_count(weights_key, active_key, tenant_name, until_at, now)
   end
   local function push(next_at)
-    redis.call('SET', line_key, string.format('%.3f', clock.virtual(next_at)), 'PX',
+    redis.call('SET', line_key, clock.head(next_at), 'PX',
       math.ceil((next_at - now) / 1000) + 1000)
     line = next_at
   end

@@ -15,13 +15,26 @@
 -- tenant's places, however often the sum changes before its job comes
 -- back.
 --
--- `weights_key`: hash 'w:<tenant>' -> weight counted, 'total' -> their sum,
+--
+-- A tenant's own spacing in virtual time (its step: the route's interval /
+-- its weight) changes when its weight or the route's quota does. Places
+-- already given on its line were spaced at the old step, and kept so they
+-- would hold it to its old share: a weight raised from 1 to 5 beside
+-- another tenant of weight 1 left a 30/s route sending 10/s for 6 s. So
+-- each place goes with the step it was given at, and one given at another
+-- step than the tenant's now is re-spaced around the moment the step last
+-- changed (as a tenant's own line is around its quota's change).
+--
+-- `weights_key`: hash 'w:<tenant>' -> weight counted, 's:<tenant>' -> its
+-- step and the virtual time it last changed, 'total' -> the weights' sum,
 -- 'changed' -> when it last changed, 'v' -> the route's virtual time then;
 -- `active_key`: sorted set of the route's tenants with work -> until when.
 -- Both in the route's slot. `interval`: the route's spacing (microseconds).
--- Returns the clock {real, virtual, step} (step: the tenant's spacing in
--- virtual time), the sum of the weights, when it last changed, and the sum
--- of the others' (as counted).
+-- Returns the clock {real, virtual, step, place, line, head} (step: the
+-- tenant's spacing in virtual time; place: a place given at a step,
+-- re-spaced to today's; line: a line's next free place as kept in its key,
+-- in real time; head: that place as the key keeps it), the sum of the
+-- weights, when it last changed, and the sum of the others' (as counted).
 local function share_clock(weights_key, active_key, tenant_name, weight, usable, interval, now)
   local function field(name) return tonumber(redis.call('HGET', weights_key, name)) end
   local total = field('total') or 0
@@ -34,14 +47,15 @@ local function share_clock(weights_key, active_key, tenant_name, weight, usable,
     -- two gone) for as long as the route stayed busy.
     local fields = redis.call('HKEYS', weights_key)
     for _, f in ipairs(fields) do
-      if string.sub(f, 1, 2) == 'w:' then redis.call('HDEL', weights_key, f) end
+      local kind = string.sub(f, 1, 2)
+      if kind == 'w:' or kind == 's:' then redis.call('HDEL', weights_key, f) end
     end
     total = 0
   end
   local done = redis.call('ZRANGEBYSCORE', active_key, '-inf', string.format('%.0f', now), 'LIMIT', 0, 100)
   for _, t in ipairs(done) do
     total = total - (field('w:' .. t) or 0)
-    redis.call('HDEL', weights_key, 'w:' .. t)
+    redis.call('HDEL', weights_key, 'w:' .. t, 's:' .. t)
     redis.call('ZREM', active_key, t)
   end
   local mine = field('w:' .. tenant_name) or 0
@@ -66,10 +80,45 @@ local function share_clock(weights_key, active_key, tenant_name, weight, usable,
   -- were 1 % wider, which cost the route 1 % of its slots for good and
   -- bought nothing the weights show; ARCHITECTURE, "Weighted shares of a
   -- route".)
+  local function real(at) return changed + (at - v) * total end
+  local function virtual(at) return v + (at - changed) / total end
+  local step = interval / w
+  -- The step's last change, in virtual time (none: it never changed while
+  -- the tenant had places on the route).
+  -- Steps travel as whole microseconds: within one, or a ten-thousandth,
+  -- they are the same.
+  local function same(a, b) return math.abs(a - b) <= math.max(1, b * 1e-4) end
+  local last = redis.call('HGET', weights_key, 's:' .. tenant_name)
+  local last_step, anchor = nil, nil
+  if last then
+    local s, at = string.match(last, '^(%S+) ?(%S*)$')
+    last_step, anchor = tonumber(s), tonumber(at)
+  end
+  if not last_step or not same(last_step, step) then
+    local record = string.format('%.3f', step)
+    if last_step then
+      anchor = virtual(now)
+      record = record .. string.format(' %.3f', anchor)
+    end
+    redis.call('HSET', weights_key, 's:' .. tenant_name, record)
+  end
+  -- A place given at step `given` (nil: today's), re-spaced to today's.
+  local function place(at, given)
+    if not given or not anchor or same(given, step) or at <= anchor then return at end
+    return anchor + (at - anchor) * step / given
+  end
   local clock = {
-    real = function(at) return changed + (at - v) * total end,
-    virtual = function(at) return v + (at - changed) / total end,
-    step = interval / w,
+    real = real,
+    virtual = virtual,
+    step = step,
+    place = place,
+    line = function(raw)
+      if not raw then return nil end
+      local at, given = string.match(raw, '^(%S+) ?(%S*)$')
+      at = tonumber(at)
+      return at and real(place(at, tonumber(given)))
+    end,
+    head = function(at) return string.format('%.3f %.3f', virtual(at), step) end,
   }
   return clock, total, changed, others
 end
