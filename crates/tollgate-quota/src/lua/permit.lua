@@ -257,7 +257,9 @@ local function permit(KEYS, ARGV)
     if at < floor then at = floor end
     push_line(keys[own], at + b[1] * n, b)
     make_room(keys, own, at, b, n)
-    local retry = at - b[1] * (b[2] - 1) - now - (b[4] and share_come_back or come_back)
+    local due = at
+    if b[4] then due = b[4].soonest(at) end
+    local retry = due - b[1] * (b[2] - 1) - now - (b[4] and share_come_back or come_back)
     if retry < 0 then retry = 0 end
     return retry, at
   end
@@ -517,7 +519,8 @@ local function permit(KEYS, ARGV)
       local head = line_at(route_share_key, share)
       if head and place > head then place, share_place = head, share[4].virtual(head) end
       if place - now > 2 * share_come_back then
-        return on_share({1, math.ceil(place - share_come_back - now), math.floor(share[1]), 1, 1}, share_place)
+        local due = share[4].soonest(place)
+        return on_share({1, math.ceil(due - share_come_back - now), math.floor(share[1]), 1, 1}, share_place)
       end
     end
 

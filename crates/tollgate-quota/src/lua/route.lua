@@ -109,16 +109,17 @@ local function route_reserve(k, a)
     line = next_at
   end
   -- Denied, for the place `at` (real time now): the job comes back `ahead`
-  -- before it.
-  local function denied(at, ahead)
+  -- before it, or before `due` (the soonest that place can come).
+  local function denied(at, ahead, due)
     count()
-    return {1, math.max(math.ceil(at - now - ahead), 0), math.floor(clock.virtual(at)), math.ceil(clock.step)}
+    return {1, math.max(math.ceil((due or at) - now - ahead), 0), math.floor(clock.virtual(at)),
+      math.ceil(clock.step)}
   end
   -- Hands out the tenant's next place on the route.
   local function queue()
     local at = math.max(line or 0, free, start)
     push(at + spacing)
-    return denied(at, window)
+    return denied(at, window, clock.soonest(at))
   end
   -- Back early (a hop's remainder) for its place on its tenant's line: it
   -- keeps that place and comes back when it is within the window. Handed
@@ -155,7 +156,8 @@ local function route_reserve(k, a)
     -- Reserving `start` far past the next free time would leave the slots
     -- between to nobody: come back `lead` before it, with it as a place
     -- (else it would be sought a window later again).
-    return denied(math.max(start, now + lead + 1000), lead)
+    local at = math.max(start, now + lead + 1000)
+    return denied(at, lead, place and clock.soonest(at))
   end
   if earliest > now + window then
     -- Busy past the window: a job with a place keeps it; one without takes

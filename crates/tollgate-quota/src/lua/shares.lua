@@ -1,3 +1,9 @@
+-- How far ahead a place on a share line must be for its job's return to
+-- be worked out against the tenants due to leave before it (microseconds),
+-- and how many of them are counted at most.
+local SHARE_SOONEST_FROM_US = 3000000
+local SHARE_SOONEST_TENANTS = 32
+
 -- A tenant's share of a route: the route's capacity divides among the
 -- tenants with work on it by weight, so each tenant's line on the route is
 -- spaced the route's interval × (the weights counted) / its weight. Tenants
@@ -30,10 +36,11 @@
 -- 'changed' -> when it last changed, 'v' -> the route's virtual time then;
 -- `active_key`: sorted set of the route's tenants with work -> until when.
 -- Both in the route's slot. `interval`: the route's spacing (microseconds).
--- Returns the clock {real, virtual, step, place, line, head} (step: the
--- tenant's spacing in virtual time; place: a place given at a step,
--- re-spaced to today's; line: a line's next free place as kept in its key,
--- in real time; head: that place as the key keeps it), the sum of the
+-- Returns the clock {real, virtual, step, place, line, head, soonest}
+-- (step: the tenant's spacing in virtual time; place: a place given at a
+-- step, re-spaced to today's; line: a line's next free place as kept in its
+-- key, in real time; head: that place as the key keeps it; soonest: below),
+-- the sum of the
 -- weights, when it last changed, and the sum of the others' (as counted).
 local function share_clock(weights_key, active_key, tenant_name, weight, usable, interval, now)
   local function field(name) return tonumber(redis.call('HGET', weights_key, name)) end
@@ -107,6 +114,39 @@ local function share_clock(weights_key, active_key, tenant_name, weight, usable,
     if not given or not anchor or same(given, step) or at <= anchor then return at end
     return anchor + (at - anchor) * step / given
   end
+  -- When a place due at `at` (real time, at today's sum) comes if every
+  -- other tenant with work leaves the sum once its last place has passed,
+  -- and none comes: the soonest its job can be needed. A job parked for
+  -- its place comes back then, not at `at`. Judged at today's sum, a
+  -- backlog parked in 30 s hops beside a tenant that then finished came
+  -- back 16 s after its places had come, the route idle meanwhile. Worked
+  -- out only for places further than a hop of a few seconds (closer,
+  -- being late costs at most that hop), over the first tenants to leave.
+  local function soonest(at)
+    if at - now <= SHARE_SOONEST_FROM_US then return at end
+    local leaving = redis.call('ZRANGEBYSCORE', active_key, '(' .. string.format('%.0f', now),
+      string.format('%.0f', at), 'WITHSCORES', 'LIMIT', 0, SHARE_SOONEST_TENANTS)
+    local names, leaves, fields = {}, {}, {}
+    for i = 1, #leaving, 2 do
+      if leaving[i] ~= tenant_name then
+        names[#names + 1], leaves[#leaves + 1] = leaving[i], tonumber(leaving[i + 1])
+        fields[#fields + 1] = 'w:' .. leaving[i]
+      end
+    end
+    if #names == 0 then return at end
+    local weights = redis.call('HMGET', weights_key, unpack(fields))
+    -- In order of leaving: each segment of virtual time passes at the sum
+    -- of those still there.
+    local at_v, from_v, from, sum = virtual(at), virtual(now), now, total
+    for i = 1, #names do
+      local left_v, gone = virtual(leaves[i]), tonumber(weights[i]) or 0
+      if left_v > from_v and sum - gone >= w - 1e-6 then
+        from = from + (left_v - from_v) * sum
+        from_v, sum = left_v, sum - gone
+      end
+    end
+    return math.min(at, from + (at_v - from_v) * sum)
+  end
   local clock = {
     real = real,
     virtual = virtual,
@@ -119,6 +159,7 @@ local function share_clock(weights_key, active_key, tenant_name, weight, usable,
       return at and real(place(at, tonumber(given)))
     end,
     head = function(at) return string.format('%.3f %.3f', virtual(at), step) end,
+    soonest = soonest,
   }
   return clock, total, changed, others
 end
