@@ -577,6 +577,32 @@ fn a_narrowed_window_gives_a_place_instead_of_a_reservation() {
     );
 }
 
+/// One tenant's jobs of the given classes at 10/s burst 1 (slots 100 ms
+/// apart; the horizon is 250 ms), job i asking first at `arrives(i, its
+/// class)` µs ([`simulate`], `tie` at a tie).
+fn simulate_classes(
+    classes: &[tollgate_core::Priority],
+    arrives: impl Fn(usize, tollgate_core::Priority) -> u64,
+    tie: impl Fn(usize) -> i64,
+) -> Vec<(u64, usize)> {
+    runtime().block_on(async {
+        let (permits, quotas) = stores(Quota::new("10/s".parse().unwrap(), 1).unwrap());
+        let (tenant, route) = (TenantId::parse("prop").unwrap(), Kind::default_kind());
+        let jobs: Vec<Simulated> = classes
+            .iter()
+            .enumerate()
+            .map(|(i, &priority)| Simulated {
+                tenant: tenant.clone(),
+                priority,
+                arrives: arrives(i, priority),
+            })
+            .collect();
+        let sends = simulate(&permits, &route, &jobs, tie).await;
+        quotas.purge_prefix().await.unwrap();
+        sends
+    })
+}
+
 /// Priorities within a tenant's line, whatever order the jobs came in and
 /// whichever asks first at a tie: with the horizon taken, 5 low, then 5
 /// normal, then 5 high jobs are denied; each comes back when told (as a
@@ -587,33 +613,19 @@ fn a_narrowed_window_gives_a_place_instead_of_a_reservation() {
 fn a_tenants_line_is_served_high_then_normal_then_low() {
     use tollgate_core::Priority::{High, Low, Normal};
     for tie_break_low_first in [true, false] {
-        // 10/s burst 1: slots 100 ms apart; the horizon is 250 ms.
-        let quota = Quota::new("10/s".parse().unwrap(), 1).unwrap();
         let classes: Vec<_> = [Normal; 3]
             .into_iter()
             .chain([Low; 5])
             .chain([Normal; 5])
             .chain([High; 5])
             .collect();
-        let sends = runtime().block_on(async {
-            let (permits, quotas) = stores(quota);
-            let (tenant, route) = (TenantId::parse("prop").unwrap(), Kind::default_kind());
-            // The first three take the horizon; the rest come a µs later.
-            let jobs: Vec<Simulated> = classes
-                .iter()
-                .enumerate()
-                .map(|(i, &priority)| Simulated {
-                    tenant: tenant.clone(),
-                    priority,
-                    arrives: u64::from(i >= 3),
-                })
-                .collect();
-            // At a tie, the lowest (or highest) class first.
-            let tie = |i: usize| classes[i] as i64 * if tie_break_low_first { 1 } else { -1 };
-            let sends = simulate(&permits, &route, &jobs, tie).await;
-            quotas.purge_prefix().await.unwrap();
-            sends
-        });
+        // The first three take the horizon; the rest come a µs later. At a
+        // tie, the lowest (or highest) class first.
+        let sends = simulate_classes(
+            &classes,
+            |i, _| u64::from(i >= 3),
+            |i| classes[i] as i64 * if tie_break_low_first { 1 } else { -1 },
+        );
         let mut sends = sends;
         sends.sort();
         for w in sends.windows(2) {
@@ -650,26 +662,17 @@ fn jobs_displaced_by_a_higher_class_take_the_room_made_for_them() {
         .chain([Normal; 20])
         .chain([High; 20])
         .collect();
-    let sends = runtime().block_on(async {
-        let (permits, quotas) = stores(Quota::new("10/s".parse().unwrap(), 1).unwrap());
-        let (tenant, route) = (TenantId::parse("prop").unwrap(), Kind::default_kind());
-        let jobs: Vec<Simulated> = classes
-            .iter()
-            .enumerate()
-            .map(|(i, &priority)| Simulated {
-                tenant: tenant.clone(),
-                priority,
-                arrives: if priority == Low {
-                    i as u64 * 100
-                } else {
-                    2_000_000 + i as u64 * 100
-                },
-            })
-            .collect();
-        let sends = simulate(&permits, &route, &jobs, |_| 0).await;
-        quotas.purge_prefix().await.unwrap();
-        sends
-    });
+    let sends = simulate_classes(
+        &classes,
+        |i, class| {
+            if class == Low {
+                i as u64 * 100
+            } else {
+                2_000_000 + i as u64 * 100
+            }
+        },
+        |_| 0,
+    );
     assert_eq!(sends.len(), classes.len(), "every job is sent once");
     let mut sends = sends;
     sends.sort();
