@@ -74,11 +74,16 @@ impl Rig {
         due_in: Option<Duration>,
         payload: &str,
     ) -> anyhow::Result<(Vec<Job>, UnixMillis)> {
-        let args = PublishArgs {
+        self.publish_args(PublishArgs {
             due_in,
             payload: payload.into(),
             ..PublishArgs::new(tenant, count)
-        };
+        })
+        .await
+    }
+
+    /// Publishes the jobs `args` describes, as `tollgate publish` would.
+    pub async fn publish_args(&self, args: PublishArgs) -> anyhow::Result<(Vec<Job>, UnixMillis)> {
         let now = SystemClock.now();
         let jobs = cli::build_jobs(&args, now)?;
         cli::publish_jobs(&self.broker, &jobs, now).await?;

@@ -41,13 +41,15 @@ const SWEEP: [(u16, Option<u16>, &str, &str); 5] = [
 const WORKERS: usize = 4;
 
 /// The parts of each point, as `--only sweep_c64.<part>` names them.
-const PARTS: [&str; 8] = [
+const PARTS: [&str; 10] = [
     "noisy_neighbour",
     "parks",
     "scheduled",
     "adherence",
     "many_tenants",
     "weighted_share",
+    "weight_raised",
+    "priority",
     "quota_below_share",
     "shared_account",
 ];
@@ -102,6 +104,15 @@ pub async fn run(base: &Config, wanted: impl Fn(&str) -> bool) -> anyhow::Result
                      each on one route of 30/s burst 1 (their own quotas 100/s); shares counted from \
                      when all three backlogs are queued to the last send of the first to finish"
                 ),
+                "weight_raised": format!(
+                    "{WORKERS} worker processes; 2 tenants of weight 1 with {SHARE_BACKLOG} jobs each \
+                     on one route of 30/s burst 1 (their own quotas 100/s); one's weight set to \
+                     {RAISED_TO} {RAISE_AFTER:?} after both backlogs are queued"
+                ),
+                "priority": format!(
+                    "{WORKERS} worker processes; one tenant at 10/s burst 1: {LOW_BACKLOG} low jobs, \
+                     then {URGENT} normal and {URGENT} high {URGENT_AFTER:?} later"
+                ),
                 "quota_below_share": format!(
                     "{WORKERS} worker processes; one route of 30/s burst 1; held: {HELD_BACKLOG} jobs at \
                      its own quota of 10/s burst 1 (below its half of the route); wide: {WIDE_BACKLOG} \
@@ -131,6 +142,8 @@ async fn run_part(name: &str, base: &Config, setting: Setting) -> anyhow::Result
         "adherence" => adherence(base, setting).await,
         "many_tenants" => many_tenants(base, setting).await,
         "weighted_share" => weighted_share(base, setting).await,
+        "weight_raised" => weight_raised(base, setting).await,
+        "priority" => priority(base, setting).await,
         "quota_below_share" => quota_below_share(base, setting).await,
         "shared_account" => shared_account(base, setting).await,
         _ => unreachable!("{name} is not in PARTS"),
@@ -767,4 +780,228 @@ async fn weighted_share(base: &Config, setting: Setting) -> anyhow::Result<Vec<F
         .target(">= 0.97"),
     );
     Ok(figures)
+}
+
+/// The weight-raised part: the weight one tenant is raised to, and when.
+const RAISED_TO: u32 = 5;
+const RAISE_AFTER: Duration = Duration::from_secs(5);
+
+/// Two tenants of weight 1 share a 30/s route, each with a backlog; one's
+/// weight is raised live while most of both backlogs are parked for their
+/// places. The route should stay full, the raised tenant get its new share
+/// from about a second after the raise, and the other's backlog drain at
+/// the whole route once the raised one is done.
+async fn weight_raised(base: &Config, setting: Setting) -> anyhow::Result<Vec<Figure>> {
+    const LIMIT: Duration = Duration::from_secs(90);
+    progress(&format!(
+        "sweep {setting}: a weight raised from 1 to {RAISED_TO} live on one 30/s route"
+    ));
+    let rig = Rig::new(base, strict_account(30)).await?;
+    set_route_quota(&rig, "30/s").await?;
+    let names = ["raised", "other"];
+    for name in names {
+        rig.set_quota(name, "100/s", 1).await?;
+    }
+    let mut rig = rig;
+    spawn_workers(&mut rig, setting, WORKERS).await?;
+    for name in names {
+        rig.publish(name, SHARE_BACKLOG, None, "{}").await?;
+    }
+    let started = Instant::now();
+    tokio::time::sleep(RAISE_AFTER).await;
+    let target = tollgate_quota::Target::Tenant(tollgate_core::TenantId::parse(names[0])?);
+    rig.store
+        .apply(
+            &target,
+            tollgate_quota::Change::SetWeight(RAISED_TO),
+            &bench_actor(),
+        )
+        .await?;
+    let raised_at = Instant::now();
+    let received = wait_for_sends(&rig, 2 * SHARE_BACKLOG as usize, started, LIMIT).await;
+    rig.cleanup().await?;
+    let sent: Vec<&Received> = received.iter().filter(|r| r.status == 200).collect();
+    // From a second after the raise (every parked job has asked once) to
+    // the raised tenant's last send.
+    let from = raised_at + Duration::from_secs(1);
+    let until = times(&received, names[0]).into_iter().max().unwrap_or(from);
+    let span: Vec<&Received> = sent
+        .iter()
+        .copied()
+        .filter(|r| r.instant >= from && r.instant <= until)
+        .collect();
+    let raised = span.iter().filter(|r| r.tenant == names[0]).count() as f64;
+    let expected = f64::from(RAISED_TO) / f64::from(RAISED_TO + 1);
+    // Both backlogs at the route's rate, with the 2 % pacing margin.
+    let ideal = 2.0 * f64::from(SHARE_BACKLOG) / 30.0 * 1.02;
+    Ok(vec![
+        Figure::new(
+            "weight raised: route use from 1 s after the raise to the raised tenant's last send",
+            "fraction of 30/s",
+            vec![
+                span.len() as f64
+                    / (until.saturating_duration_since(from).as_secs_f64() * 30.0).max(1e-9),
+            ],
+        )
+        .target(">= 0.97"),
+        Figure::new(
+            "weight raised: the raised tenant's sends over that span ÷ its new share (5/6)",
+            "ratio",
+            vec![raised / span.len().max(1) as f64 / expected],
+        )
+        .target("0.95–1.05"),
+    ]
+    .into_iter()
+    .chain(drain_figures(
+        [
+            "weight raised: longest gap between two sends of the route",
+            "weight raised: both backlogs drained ÷ the route's ideal",
+            "weight raised: 429s",
+        ],
+        "< 1",
+        &received,
+        started,
+        ideal,
+    ))
+    .collect())
+}
+
+/// The priority part: a low backlog, then as many normal and high jobs
+/// each, this long after.
+const LOW_BACKLOG: u32 = 200;
+const URGENT: u32 = 20;
+const URGENT_AFTER: Duration = Duration::from_secs(2);
+
+/// One tenant's backlog of low-priority jobs, parked for their places, then
+/// normal and high jobs: the higher classes go first, in order, and the low
+/// jobs they displaced take the room made for them, so the tenant's quota
+/// stays in use.
+async fn priority(base: &Config, setting: Setting) -> anyhow::Result<Vec<Figure>> {
+    use tollgate_core::Priority;
+    const LIMIT: Duration = Duration::from_secs(90);
+    const TENANT: &str = "classes";
+    progress(&format!(
+        "sweep {setting}: {LOW_BACKLOG} low jobs, then {URGENT} normal and {URGENT} high, at 10/s"
+    ));
+    let rig = Rig::new(
+        base,
+        strict_limits(HashMap::from([(TENANT.to_owned(), 10)])),
+    )
+    .await?;
+    rig.set_quota(TENANT, "10/s", 1).await?;
+    let mut rig = rig;
+    spawn_workers(&mut rig, setting, WORKERS).await?;
+    let publish = |priority: Priority, count: u32| tollgate::cli::PublishArgs {
+        priority,
+        payload: format!(r#"{{"class":"{}"}}"#, priority.as_str()),
+        ..tollgate::cli::PublishArgs::new(TENANT, count)
+    };
+    rig.publish_args(publish(Priority::Low, LOW_BACKLOG))
+        .await?;
+    let started = Instant::now();
+    tokio::time::sleep(URGENT_AFTER).await;
+    rig.publish_args(publish(Priority::Normal, URGENT)).await?;
+    rig.publish_args(publish(Priority::High, URGENT)).await?;
+    let total = (LOW_BACKLOG + 2 * URGENT) as usize;
+    let received = wait_for_sends(&rig, total, started, LIMIT).await;
+    rig.cleanup().await?;
+    let mut sent: Vec<&Received> = received.iter().filter(|r| r.status == 200).collect();
+    sent.sort_by_key(|r| r.instant);
+    // The order the classes are served in: high, normal, low.
+    let rank = |r: &Received| {
+        [Priority::High, Priority::Normal, Priority::Low]
+            .into_iter()
+            .position(|p| r.body.contains(&format!(r#""{}""#, p.as_str())))
+    };
+    // Out of order: a send while a job of a class served before its own
+    // was still to go. From a second after the normal and high jobs were
+    // published: low jobs reserved before they came go out first.
+    let settled = URGENT_AFTER + Duration::from_secs(1);
+    let out_of_order = sent
+        .iter()
+        .enumerate()
+        .filter(|(i, r)| {
+            r.instant.duration_since(started) >= settled
+                && sent[i + 1..].iter().any(|s| rank(s) < rank(r))
+        })
+        .count();
+    // Every job at the quota, with the 2 % pacing margin.
+    let ideal = total as f64 / 10.0 * 1.02;
+    Ok(vec![
+        Figure::new(
+            "priority: sends of a class while an earlier class's published job waited",
+            "requests",
+            vec![out_of_order as f64],
+        )
+        .target("0"),
+    ]
+    .into_iter()
+    .chain(drain_figures(
+        [
+            "priority: longest gap between two of the tenant's sends",
+            "priority: all drained ÷ the quota's ideal",
+            "priority: 429s",
+        ],
+        "< 0.5",
+        &received,
+        started,
+        ideal,
+    ))
+    .collect())
+}
+
+/// Waits until the provider accepted `total` requests, or `limit` from
+/// `started`; returns what it received.
+async fn wait_for_sends(
+    rig: &Rig,
+    total: usize,
+    started: Instant,
+    limit: Duration,
+) -> Vec<Received> {
+    let accepted = |received: &[Received]| received.iter().filter(|r| r.status == 200).count();
+    while accepted(&rig.provider.received()) < total && started.elapsed() < limit {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    rig.provider.received()
+}
+
+/// A drain's figures, named `names`: the longest gap between two accepted
+/// sends, when the last went out (from `started`) ÷ `ideal` seconds, and
+/// the 429s.
+fn drain_figures(
+    names: [&'static str; 3],
+    gap_target: &'static str,
+    received: &[Received],
+    started: Instant,
+    ideal: f64,
+) -> [Figure; 3] {
+    let mut sent: Vec<Instant> = received
+        .iter()
+        .filter(|r| r.status == 200)
+        .map(|r| r.instant)
+        .collect();
+    sent.sort_unstable();
+    let longest_gap = sent
+        .windows(2)
+        .map(|w| w[1] - w[0])
+        .max()
+        .unwrap_or_default();
+    let drained = sent
+        .last()
+        .map(|last| last.duration_since(started).as_secs_f64());
+    [
+        Figure::new(names[0], "seconds", vec![longest_gap.as_secs_f64()]).target(gap_target),
+        Figure::new(
+            names[1],
+            "ratio",
+            vec![drained.map_or(f64::INFINITY, |d| d / ideal)],
+        )
+        .target("<= 1.1"),
+        Figure::new(
+            names[2],
+            "requests",
+            vec![received.iter().filter(|r| r.status == 429).count() as f64],
+        )
+        .target("0"),
+    ]
 }
