@@ -103,7 +103,7 @@ async fn throttle(permits: &RedisPermits, job: &Job, scope: ThrottleScope, now: 
     permits
         .record(
             job.request(),
-            PermitUse::CallFailed,
+            PermitUse::CallFailed { retry_after: None },
             throttled(scope),
             Some(now),
         )
@@ -156,7 +156,7 @@ proptest! {
             for (is_429, gap) in events {
                 now += gap;
                 let penalty = if is_429 { throttled(ThrottleScope::Tenant) } else { None };
-                let used = if is_429 { PermitUse::CallFailed } else { PermitUse::Sent };
+                let used = if is_429 { PermitUse::CallFailed { retry_after: None } } else { PermitUse::Sent };
                 let learned = permits.record(job.request(), used, penalty, Some(now)).await.unwrap();
                 if is_429 { spec.throttled(&tuning, now); } else { spec.sent(&tuning, now); }
                 spec.audit(&tuning, now);

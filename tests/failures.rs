@@ -399,3 +399,61 @@ async fn a_call_cut_after_the_request_went_out_is_retried_after_its_lease() {
     worker.stop().await.unwrap();
     env.cleanup().await;
 }
+
+/// A 503 that says when to call again holds the job's key that long, not
+/// only its parked copy: another copy of the job (here published again
+/// once the 503 is recorded, as when the park's confirm is lost with the
+/// connection and the original is redelivered) waits for it too. It was
+/// called 2 s after a `Retry-After: 4`, the moment the lease was released.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_503s_retry_after_holds_every_copy_of_the_job() {
+    let provider = FakeProvider::start(Arc::new(|_: &tollgate_tests::Received, earlier: usize| {
+        if earlier == 0 {
+            Reply {
+                retry_after: Some("3".into()),
+                ..Reply::status(503)
+            }
+        } else {
+            Reply::ok()
+        }
+    }))
+    .await
+    .unwrap();
+    let env = TestEnv::new(&provider.url()).await;
+    let worker = env.spawn_worker().await;
+    let same_job = |args: &mut tollgate::cli::PublishArgs| {
+        args.id = Some("maintenance-1".into());
+    };
+    env.publish("maint", 1, same_job).await;
+    wait_for("the 503", Duration::from_secs(10), || async {
+        !provider.received().is_empty()
+    })
+    .await;
+    // The 503's completion is recorded a round trip after the answer.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    env.publish("maint", 1, same_job).await;
+    wait_for("the job to be sent", Duration::from_secs(30), || async {
+        provider.received().iter().any(|r| r.status == 200)
+    })
+    .await;
+    wait_for("both copies to settle", Duration::from_secs(10), || async {
+        env.pending().await == 0
+    })
+    .await;
+    let received = provider.received();
+    assert_eq!(
+        received.iter().filter(|r| r.status == 200).count(),
+        1,
+        "sent once: {received:?}"
+    );
+    assert_eq!(received[0].status, 503);
+    for later in &received[1..] {
+        let waited = later.instant.duration_since(received[0].instant);
+        assert!(
+            waited >= Duration::from_secs(3),
+            "a copy called {waited:?} after a 503 with Retry-After: 3"
+        );
+    }
+    worker.stop().await.unwrap();
+    env.cleanup().await;
+}

@@ -217,7 +217,7 @@ async fn granted_sends_around(
             permits
                 .record(
                     throttled,
-                    PermitUse::CallFailed,
+                    PermitUse::CallFailed { retry_after: None },
                     Some(penalty),
                     Some(T0 + at),
                 )
@@ -497,7 +497,7 @@ fn a_tenant_scoped_429_leaves_other_tenants_of_the_route_alone() {
         permits
             .record(
                 req(&noisy),
-                PermitUse::CallFailed,
+                PermitUse::CallFailed { retry_after: None },
                 Some(Penalty { wait, scope }),
                 Some(T0),
             )
@@ -1494,7 +1494,12 @@ fn a_completion_frees_its_place_under_the_concurrency_limit() {
             PermitDecision::AtConcurrency { .. }
         ));
         permits
-            .record(req(1), PermitUse::CallFailed, None, Some(T0))
+            .record(
+                req(1),
+                PermitUse::CallFailed { retry_after: None },
+                None,
+                Some(T0),
+            )
             .await
             .unwrap();
         assert!(matches!(decide(2).await, PermitDecision::Granted { .. }));
@@ -1555,7 +1560,12 @@ fn a_call_that_timed_out_keeps_its_key_and_its_place_until_its_lease_ends() {
 
         // Failed outright: the key and the place are free at once.
         permits
-            .record(req(1), PermitUse::CallFailed, None, Some(T0))
+            .record(
+                req(1),
+                PermitUse::CallFailed { retry_after: None },
+                None,
+                Some(T0),
+            )
             .await
             .unwrap();
         assert!(matches!(
@@ -1723,7 +1733,7 @@ fn with_the_routes_keys_in_a_slot_of_their_own_an_account_wide_429_holds_every_t
         permits
             .record(
                 request(&noisy, &route, &ids[0], &keys[0]),
-                PermitUse::CallFailed,
+                PermitUse::CallFailed { retry_after: None },
                 Some(penalty),
                 Some(T0),
             )

@@ -76,7 +76,13 @@ pub enum PermitUse {
     /// The provider accepted the call: the idempotency key is recorded.
     Sent,
     /// The provider was called and did not accept (a 429, an error).
-    CallFailed,
+    /// `retry_after`: a failure's `Retry-After` (a 503's "down for this
+    /// long"): the key's lease is kept that long, so no copy of the job
+    /// calls before it, even one whose parked copy's wait was lost (its
+    /// confirm lost with the connection, the original redelivered).
+    CallFailed {
+        retry_after: Option<std::time::Duration>,
+    },
     /// The call timed out here: the provider may still be working on it.
     /// Its lease is kept until it expires, so no copy with the same key
     /// (this job's own retry included) calls meanwhile, and a provider that

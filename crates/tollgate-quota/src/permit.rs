@@ -512,7 +512,7 @@ impl Group {
     fn shape(self) -> (usize, usize) {
         match self {
             Group::Permit => (PermitKeys::NAMES.len(), PermitArgs::NAMES.len()),
-            Group::Complete => (9, 7),
+            Group::Complete => (9, 8),
             Group::RouteReserve => (8, 9),
             Group::RouteGiveBack | Group::RouteComplete => (3, 3),
         }
@@ -1190,7 +1190,7 @@ impl RedisPermits {
             req.lease_token.to_owned(),
             match used {
                 PermitUse::Sent => "1",
-                PermitUse::CallFailed => "0",
+                PermitUse::CallFailed { .. } => "0",
                 PermitUse::Unanswered => "u",
                 PermitUse::Unused => "",
             }
@@ -1200,6 +1200,12 @@ impl RedisPermits {
             penalty.map(|p| micros(p.wait)).unwrap_or(0).to_string(),
             now_micros.map(|n| n.to_string()).unwrap_or_default(),
             scope.to_owned(),
+            match used {
+                PermitUse::CallFailed {
+                    retry_after: Some(wait),
+                } => wait.as_millis().max(1).to_string(),
+                _ => String::new(),
+            },
         ];
         let reply = self.calls.call(Group::Complete, keys, args, false).await?;
         let value = |i: usize| {

@@ -1088,7 +1088,12 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
                     } else if matches!(&outcome, ProviderOutcome::Failed(f) if f.may_be_working()) {
                         PermitUse::Unanswered
                     } else {
-                        PermitUse::CallFailed
+                        PermitUse::CallFailed {
+                            retry_after: match &outcome {
+                                ProviderOutcome::Failed(f) => f.retry_after(),
+                                _ => None,
+                            },
+                        }
                     };
                     self.tally.call(&job.tenant, &outcome, due_lag);
                     self.complete_permit(request, used, penalty).await;

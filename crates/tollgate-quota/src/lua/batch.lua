@@ -3,7 +3,7 @@
 --
 -- ARGV[1] names each group's kind, one letter per group in order:
 --   'p'  a permit decision (`permit.lua`): 21 keys, 21 arguments
---   'c'  a completion (`complete.lua`): 9 keys, 7 arguments
+--   'c'  a completion (`complete.lua`): 9 keys, 8 arguments
 --   'r'  a reservation on a route's slot (`route.lua`): 8 keys, 9 arguments
 --   'g'  a route's send time given back (`route.lua`): 3 keys, 3 arguments
 --   'R'  a route's side of a completion (`route.lua`): 3 keys, 3 arguments
@@ -13,7 +13,7 @@
 
 local groups = {
   p = {permit, 21, 21},
-  c = {complete, 9, 7},
+  c = {complete, 9, 8},
   r = {route_reserve, 8, 9},
   g = {route_give_back, 3, 3},
   R = {route_complete, 3, 3},

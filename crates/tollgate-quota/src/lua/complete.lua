@@ -14,12 +14,13 @@
 --
 -- Keys (9): sent record, lease, tenant in-flight zset, tenant penalty,
 -- route penalty, tenant quota, tenant adapt, route quota, route adapt.
--- Arguments (7): lease token, '1' if sent ('0' the call failed, 'u' it timed
+-- Arguments (8): lease token, '1' if sent ('0' the call failed, 'u' it timed
 -- out unanswered, '' no call was made: the permit is released unused),
 -- record ttl ms, job id, penalty
 -- microseconds ('0' = none, else a 429), "now" override in microseconds
 -- (tests only; "" = Redis TIME), whom the penalty pauses ("tenant",
--- "route", or "elsewhere": the route, from its own slot).
+-- "route", or "elsewhere": the route, from its own slot), and for a failed
+-- call the milliseconds its Retry-After asked ('' = none).
 -- Reply: {1, tenant's effective rate, route's effective rate, tenant audit
 -- old, new, route audit old, new, audit at}: rates in millionths per
 -- second, -1 where the quota does not adapt; an adjustment to audit (old
@@ -34,8 +35,17 @@ local function complete(k, a)
   -- lease expired or went to another attempt), so everything is done.
   local holder, marks = lease_parts(redis.call('GET', k[2]))
   local unanswered = a[2] == 'u'
+  local hold = tonumber(a[8])
   if holder == a[1] then
-    if unanswered then
+    if a[2] == '0' and hold and hold > 0 then
+      -- A failure that said when to call again (a 503's Retry-After): the
+      -- lease stays that long, marked 'x' like an unanswered call's, so no
+      -- copy of the job calls before it, this job's own included. Its
+      -- parked copy carries the wait too, but a copy redelivered because
+      -- the park's confirm was lost with the connection did not: it was
+      -- called 2 s after a `Retry-After: 4`.
+      redis.call('SET', k[2], holder .. '/' .. (marks or '') .. 'x', 'PX', hold)
+    elseif unanswered then
       -- The provider may still be working on the call: the lease (and the
       -- concurrency slot) stay until they expire, marked 'x' so that this
       -- job's own token is kept out too (`permit.lua`).
