@@ -70,6 +70,7 @@ local function share_clock(weights_key, active_key, tenant_name, weight, usable,
   if others < 1e-6 then others = 0 end
   local w = weight
   if w < 1 then w = 1 end
+  local whole = w
   if others > 0 and usable < 1 then w = math.min(w, math.max(usable * math.max(others, 1) / (1 - usable), 1e-3)) end
   w = tonumber(string.format('%.6f', w))
   if w ~= mine then redis.call('HSET', weights_key, 'w:' .. tenant_name, string.format('%.6f', w)) end
@@ -110,8 +111,13 @@ local function share_clock(weights_key, active_key, tenant_name, weight, usable,
     redis.call('HSET', weights_key, 's:' .. tenant_name, record)
   end
   -- A place given at step `given` (nil: today's), re-spaced to today's.
+  -- Not while the tenant is held below its share by its own quota (counted
+  -- for less than its weight): its step then moves with every tenant that
+  -- comes or goes, its sends are paced by its own quota and kept on the
+  -- route in real time, and re-spacing its places around each move made a
+  -- 1/s tenant of twenty lose a slot or two when a fast tenant joined.
   local function place(at, given)
-    if not given or not anchor or same(given, step) or at <= anchor then return at end
+    if not given or not anchor or same(given, step) or at <= anchor or w < whole then return at end
     return anchor + (at - anchor) * step / given
   end
   -- When a place due at `at` (real time, at today's sum) comes if every
