@@ -389,6 +389,10 @@ async fn simulate_leeways(
                     let left = (wait - hop).saturating_sub(late);
                     asks.push((at + hop + late, i, Some((left, interval, share_place))));
                 }
+                // Paused: parked without its place, back as new.
+                Reply::Decision(PermitDecision::Paused { retry_in }) => {
+                    asks.push((at + retry_in.as_micros() as u64, i, None));
+                }
                 other => panic!("{other:?}"),
             }
         }
@@ -2537,4 +2541,67 @@ fn a_weight_changed_live_re_spaces_the_places_already_given() {
             "split {split}: the raised tenant got {share:.3} of the sends, not 5/6: {counts:?}"
         );
     }
+}
+
+/// Two tenants of weight 1 with backlogs share a 30/s route; one is paused
+/// for 5 s, then resumed. While it is paused the other has the whole
+/// route (from a second after the pause), and once resumed it gets its
+/// half again. (It stayed counted and
+/// kept its share line: the route ran at half its rate while it was paused,
+/// and after the resume its jobs, back as new, queued behind its stale line:
+/// 2 sends in 30 s with 540 waiting, end to end.)
+#[test]
+fn a_paused_tenant_leaves_the_route_to_the_others_and_comes_back_to_its_share() {
+    let (sends, jobs) = runtime().block_on(async {
+        let (permits, quotas, route) = wide_tenants_on_a_30_per_second_route(false).await;
+        let tenants = [
+            TenantId::parse("pa").unwrap(),
+            TenantId::parse("pb").unwrap(),
+        ];
+        let jobs: Vec<Simulated> = (0..1_200)
+            .map(|i| Simulated {
+                tenant: tenants[i % 2].clone(),
+                priority: tollgate_core::Priority::Normal,
+                arrives: (i / 2) as u64 * 100,
+            })
+            .collect();
+        let paused = tollgate_quota::Target::Tenant(tenants[1].clone());
+        let live = Live {
+            quotas: &quotas,
+            changes: vec![
+                (3_000_000, paused.clone(), tollgate_quota::Change::Pause),
+                (8_000_000, paused, tollgate_quota::Change::Resume),
+            ],
+        };
+        let sends = simulate_live(&permits, &route, &jobs, live).await;
+        quotas.purge_prefix().await.unwrap();
+        (sends, jobs)
+    });
+    assert_eq!(sends.len(), jobs.len(), "every job is sent once");
+    let count = |from: u64, until: u64| {
+        sends
+            .iter()
+            .filter(|&&(at, _)| at >= from && at < until)
+            .fold([0usize; 2], |mut c, &(_, i)| {
+                c[i % 2] += 1;
+                c
+            })
+    };
+    // Paused at 3 s: its last reservations go out within the horizon, and
+    // the other's jobs, parked for places spaced for two, take about a
+    // second to come back for the sooner ones.
+    let paused = count(4_000_000, 8_000_000);
+    assert_eq!(paused[1], 0, "the paused tenant sent: {paused:?}");
+    let alone = count(5_000_000, 8_000_000);
+    assert!(
+        alone[0] as f64 >= 0.9 * 3.0 * 30.0 / 1.02,
+        "the other tenant had the route to itself and sent {alone:?} in 3 s"
+    );
+    // Resumed at 8 s: its jobs come back within the pause's recheck.
+    let resumed = count(11_000_000, 16_000_000);
+    let share = resumed[1] as f64 / (resumed[0] + resumed[1]) as f64;
+    assert!(
+        (share - 0.5).abs() <= 0.05,
+        "the resumed tenant got {share:.3} of the route: {resumed:?}"
+    );
 }

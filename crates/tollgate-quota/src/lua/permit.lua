@@ -170,7 +170,19 @@ local function permit(KEYS, ARGV)
 
   local q = redis.call('HMGET', tenant_quota_key, 'count', 'period_ms', 'burst', 'concurrency', 'paused',
     'shadow_count', 'shadow_period_ms', 'shadow_burst', 'updated_at_ms', 'weight', 'adaptive')
-  if q[5] == '1' then return {4, tonumber(pause_recheck_us)} end
+  if q[5] == '1' then
+    -- Paused: its jobs park without their places, and it leaves the route's
+    -- tenants with work now (the next decision takes its weight out of the
+    -- sum) with its share line. Kept, they held the route at half its rate
+    -- for the other tenant while it was paused, and after the resume its
+    -- jobs, back as new, queued behind its stale line: 2 sends in 30 s
+    -- with 540 waiting.
+    if redis.call('ZSCORE', route_active_key, tenant_name) then
+      redis.call('ZADD', route_active_key, string.format('%.0f', now), tenant_name)
+      redis.call('DEL', route_share_key)
+    end
+    return {4, tonumber(pause_recheck_us)}
+  end
 
   -- A bucket (`buckets.lua`) of this decision's pacing and clock.
   local function bucket(count, period_ms, burst, changed_ms)
