@@ -21,12 +21,12 @@ local SHARE_SOONEST_TENANTS = 32
 -- tenant's places, however often the sum changes before its job comes
 -- back.
 --
---
 -- A tenant's own spacing in virtual time (its step: the route's interval /
 -- its weight) changes when its weight or the route's quota does. Places
 -- already given on its line were spaced at the old step, and kept so they
 -- would hold it to its old share: a weight raised from 1 to 5 beside
--- another tenant of weight 1 left a 30/s route sending 10/s for 6 s. So
+-- another tenant of weight 1 left a 30/s route sending 10/s until they
+-- ran out. So
 -- each place goes with the step it was given at, and one given at another
 -- step than the tenant's now is re-spaced around the moment the step last
 -- changed (as a tenant's own line is around its quota's change).
@@ -40,8 +40,8 @@ local SHARE_SOONEST_TENANTS = 32
 -- (step: the tenant's spacing in virtual time; place: a place given at a
 -- step, re-spaced to today's; line: a line's next free place as kept in its
 -- key, in real time; head: that place as the key keeps it; soonest: below),
--- the sum of the
--- weights, when it last changed, and the sum of the others' (as counted).
+-- the sum of the weights, when it last changed, and the sum of the others'
+-- (as counted).
 local function share_clock(weights_key, active_key, tenant_name, weight, usable, interval, now)
   local function field(name) return tonumber(redis.call('HGET', weights_key, name)) end
   local total = field('total') or 0
@@ -91,11 +91,11 @@ local function share_clock(weights_key, active_key, tenant_name, weight, usable,
   local function real(at) return changed + (at - v) * total end
   local function virtual(at) return v + (at - changed) / total end
   local step = interval / w
-  -- The step's last change, in virtual time (none: it never changed while
-  -- the tenant had places on the route).
   -- Steps travel as whole microseconds: within one, or a ten-thousandth,
   -- they are the same.
   local function same(a, b) return math.abs(a - b) <= math.max(1, b * 1e-4) end
+  -- The tenant's step, and the virtual time it last changed (none: it has
+  -- not changed while the tenant had work on the route).
   local last = redis.call('HGET', weights_key, 's:' .. tenant_name)
   local last_step, anchor = nil, nil
   if last then
