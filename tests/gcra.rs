@@ -2462,6 +2462,31 @@ fn a_tenant_alone_on_a_route_gets_all_of_it_whoever_was_there_before() {
     );
 }
 
+/// Two tenants' backlogs of `each` jobs, interleaved, one every 0.1 ms:
+/// job i is tenant i mod 2's.
+fn two_backlogs(names: [&str; 2], each: usize) -> ([TenantId; 2], Vec<Simulated>) {
+    let tenants = names.map(|n| TenantId::parse(n).unwrap());
+    let jobs = (0..2 * each)
+        .map(|i| Simulated {
+            tenant: tenants[i % 2].clone(),
+            priority: tollgate_core::Priority::Normal,
+            arrives: (i / 2) as u64 * 100,
+        })
+        .collect();
+    (tenants, jobs)
+}
+
+/// Sends of each of [`two_backlogs`]' tenants within `span` (µs).
+fn sends_of_each(sends: &[(u64, usize)], span: std::ops::RangeInclusive<u64>) -> [usize; 2] {
+    sends
+        .iter()
+        .filter(|(at, _)| span.contains(at))
+        .fold([0; 2], |mut c, &(_, i)| {
+            c[i % 2] += 1;
+            c
+        })
+}
+
 /// Two tenants of weight 1 with backlogs share a 30/s route; one's weight
 /// is raised to 5 while most of both backlogs are parked for places on
 /// their share lines. The places already given are re-spaced with the new
@@ -2476,17 +2501,7 @@ fn a_weight_changed_live_re_spaces_the_places_already_given() {
     for split in [false, true] {
         let (sends, jobs) = runtime().block_on(async {
             let (permits, quotas, route) = wide_tenants_on_a_30_per_second_route(split).await;
-            let tenants = [
-                TenantId::parse("wa").unwrap(),
-                TenantId::parse("wb").unwrap(),
-            ];
-            let jobs: Vec<Simulated> = (0..600)
-                .map(|i| Simulated {
-                    tenant: tenants[i % 2].clone(),
-                    priority: tollgate_core::Priority::Normal,
-                    arrives: (i / 2) as u64 * 100,
-                })
-                .collect();
+            let (tenants, jobs) = two_backlogs(["wa", "wb"], 300);
             let raise = (
                 4_000_000,
                 tollgate_quota::Target::Tenant(tenants[0].clone()),
@@ -2510,13 +2525,7 @@ fn a_weight_changed_live_re_spaces_the_places_already_given() {
             .max()
             .unwrap();
         let (from, until) = (5_000_000, raised_done);
-        let counts = sends
-            .iter()
-            .filter(|&&(at, _)| at >= from && at <= until)
-            .fold([0usize; 2], |mut c, &(_, i)| {
-                c[i % 2] += 1;
-                c
-            });
+        let counts = sends_of_each(&sends, from..=until);
         let sent = (counts[0] + counts[1]) as f64;
         let seconds = (until - from) as f64 / 1e6;
         // 30/s less the 2 % pacing margin.
@@ -2554,17 +2563,7 @@ fn a_weight_changed_live_re_spaces_the_places_already_given() {
 fn a_paused_tenant_leaves_the_route_to_the_others_and_comes_back_to_its_share() {
     let (sends, jobs) = runtime().block_on(async {
         let (permits, quotas, route) = wide_tenants_on_a_30_per_second_route(false).await;
-        let tenants = [
-            TenantId::parse("pa").unwrap(),
-            TenantId::parse("pb").unwrap(),
-        ];
-        let jobs: Vec<Simulated> = (0..1_200)
-            .map(|i| Simulated {
-                tenant: tenants[i % 2].clone(),
-                priority: tollgate_core::Priority::Normal,
-                arrives: (i / 2) as u64 * 100,
-            })
-            .collect();
+        let (tenants, jobs) = two_backlogs(["pa", "pb"], 600);
         let paused = tollgate_quota::Target::Tenant(tenants[1].clone());
         let live = Live {
             quotas: &quotas,
@@ -2578,15 +2577,7 @@ fn a_paused_tenant_leaves_the_route_to_the_others_and_comes_back_to_its_share() 
         (sends, jobs)
     });
     assert_eq!(sends.len(), jobs.len(), "every job is sent once");
-    let count = |from: u64, until: u64| {
-        sends
-            .iter()
-            .filter(|&&(at, _)| at >= from && at < until)
-            .fold([0usize; 2], |mut c, &(_, i)| {
-                c[i % 2] += 1;
-                c
-            })
-    };
+    let count = |from: u64, until: u64| sends_of_each(&sends, from..=until - 1);
     // Paused at 3 s: its last reservations go out within the horizon, and
     // the other's jobs, parked for places spaced for two, take about a
     // second to come back for the sooner ones.
