@@ -354,21 +354,38 @@ async fn simulate_leeways(
                     .unwrap();
             }
         }
-        let decisions = now_asking.iter().map(|&(_, i, place)| {
-            let req = PermitRequest {
-                priority: jobs[i].priority,
-                returning: place.map(|(left, interval, share_place)| Returning {
-                    remaining: Duration::from_micros(left),
-                    interval,
-                    share_place,
-                }),
-                ..request(&jobs[i].tenant, route, &ids[i], &keys[i])
-            };
-            pods[i % pods.len()].decide(req, 1, Some(T0 + at))
-        });
-        let decisions = futures::future::join_all(decisions).await;
+        // Each pod's asks go to Redis together (one batch), the pods one
+        // after another, first a pod picked by a hash of the step: the
+        // interleaving varies from step to step as on a fleet, but the same
+        // way in every run (pods racing for Redis made a run's sends differ
+        // with the machine's load).
+        let first = (steps as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 61;
+        let mut decisions: Vec<Option<Result<Reply, _>>> =
+            now_asking.iter().map(|_| None).collect();
+        for p in 0..pods.len() {
+            let pod = (first as usize + p) % pods.len();
+            let mine: Vec<usize> = (0..now_asking.len())
+                .filter(|&k| now_asking[k].1 % pods.len() == pod)
+                .collect();
+            let asked = mine.iter().map(|&k| {
+                let (_, i, place) = now_asking[k];
+                let req = PermitRequest {
+                    priority: jobs[i].priority,
+                    returning: place.map(|(left, interval, share_place)| Returning {
+                        remaining: Duration::from_micros(left),
+                        interval,
+                        share_place,
+                    }),
+                    ..request(&jobs[i].tenant, route, &ids[i], &keys[i])
+                };
+                pods[pod].decide(req, 1, Some(T0 + at))
+            });
+            for (k, decision) in mine.iter().zip(futures::future::join_all(asked).await) {
+                decisions[*k] = Some(decision);
+            }
+        }
         for (&(_, i, _), decision) in now_asking.iter().zip(decisions) {
-            match decision.unwrap() {
+            match decision.unwrap().unwrap() {
                 Reply::Decision(PermitDecision::Granted { delay, leeway, .. }) => {
                     sends.push((at + delay.as_micros() as u64, i, leeway.as_micros() as u64));
                 }
@@ -2078,11 +2095,15 @@ fn a_held_tenant_beside_a_wide_one(split: bool, late: u64) -> (f64, f64, u64) {
 /// places, and the other's reservations step over them. Before, each of
 /// the held tenant's sends found the route reserved past its place and
 /// went out a slot or more later, which its quota of burst 1 cannot make
-/// up: 6.4 of its 10/s while both had work (9.8–9.9/s since).
+/// up: 6.4 of its 10/s while both had work. And two of its jobs back early
+/// for places on its own line, with the other's reservations past both,
+/// were both handed the route's next free time on its share: one took it,
+/// the other went to the back of the line, and a slot was lost (9.53/s,
+/// 9.46 once in CI; 9.87 since each takes a place on the share line).
 #[test]
 fn a_tenant_held_by_its_own_quota_gets_its_whole_quota_beside_one_that_takes_the_rest() {
     let (held, wide, _) = a_held_tenant_beside_a_wide_one(false, 0);
-    assert!(held >= 9.5, "the held tenant sent {held:.2}/s of its 10/s");
+    assert!(held >= 9.7, "the held tenant sent {held:.2}/s of its 10/s");
     assert!(
         wide >= 19.0,
         "the other sent {wide:.2}/s of the route's other 20/s"

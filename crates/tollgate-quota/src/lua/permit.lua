@@ -660,15 +660,19 @@ local function permit(KEYS, ARGV)
           if place <= now then place = now + b[1] end
           return {1, math.ceil(place - now), math.floor(b[1]), 1, 1}
         end
-        if b == share then
+        if b == share and share_place then
           -- Its share's place has come and the route is busy past the window
           -- (other tenants' places fell close together): it keeps its turn and
           -- asks again as the route frees.
-          -- Its place is now on the share line (its spacing is the share's).
           local retry = math.ceil(math.max(route_delay - reserve, route[1]))
           local reply = {1, retry, math.floor(b[1]), 1, 1}
-          return on_share(reply, share_place or share[4].virtual(now + retry + reserve))
+          return on_share(reply, share_place)
         end
+        -- A job back for a place on its tenant's line that the route is
+        -- reserved past takes a place on the share line like any other job
+        -- (below), its own. Handed the route's next free time instead, two
+        -- such jobs asking together got the same place: one took it, the
+        -- other went to the back of the line, and the tenant lost a slot.
         -- Its slot went to another job (it came back late, or a reservation
         -- took it): the back of its line. Moving it to the front instead would
         -- shift every place behind it by as much, each costing a round trip
