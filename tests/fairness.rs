@@ -15,6 +15,7 @@ use tollgate_amqp::lapin::options::{
 };
 use tollgate_amqp::lapin::types::FieldTable;
 use tollgate_core::UnixMillis;
+use tollgate_quota::{Change, Target};
 use tollgate_tests::{
     FakeProvider, TestEnv, arrivals_of, effects, fake_provider, max_in_window, now, wait_for,
 };
@@ -500,6 +501,83 @@ async fn a_backlog_that_only_parks_is_looked_past_and_the_look_ahead_closes_afte
     assert!(
         max_in_window(&noisy, Duration::from_secs(1)) <= 1,
         "the noisy tenant went over its 1/s"
+    );
+    worker.stop().await.unwrap();
+    env.cleanup().await;
+}
+
+/// Tenants behind another's backlog on one work queue and one shared route
+/// get their shares at one delivery per queue. The backlog's tenant, alone
+/// on the route when it starts, has the whole route as its share: its jobs
+/// are granted a slot each and held for it, never parked, and the pod
+/// used to hold one of them at a time, so the others were reached only
+/// once the whole backlog had gone out (300 jobs at 30/s, 10 s). A pod now
+/// looks past deliveries it holds for later slots as it does past ones it
+/// parks. Each job goes once and the route keeps its 30/s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tenants_behind_a_backlog_on_their_shared_route_get_their_shares_at_one_delivery() {
+    behind_a_backlog_on_a_shared_route(1).await;
+}
+
+/// 300 jobs of `first`, then 20 each of `second` and `third`, on one work
+/// queue and a 30/s route, through one worker at `prefetch`.
+async fn behind_a_backlog_on_a_shared_route(prefetch: u16) {
+    const BACKLOG: u32 = 300;
+    let provider = FakeProvider::start_punctual(fake_provider::always_ok())
+        .await
+        .unwrap();
+    let env = TestEnv::new_with(&provider.url(), |c| c.shards = 1).await;
+    let route = tollgate_core::Kind::parse("default").unwrap();
+    env.change(
+        Target::Route(route),
+        Change::SetQuota {
+            quota: tollgate_core::Quota::new("30/s".parse().unwrap(), 1).unwrap(),
+            concurrency: None,
+            weight: None,
+            adaptive: None,
+        },
+    )
+    .await;
+    for tenant in ["first", "second", "third"] {
+        env.set_quota(tenant, "100/s", 1).await;
+    }
+    let worker = env
+        .spawn_worker_with(|c| {
+            c.concurrency = 1;
+            c.prefetch = Some(prefetch);
+        })
+        .await;
+    env.publish("first", BACKLOG, |_| {}).await;
+    env.publish("second", 20, |_| {}).await;
+    env.publish("third", 20, |_| {}).await;
+    wait_for(
+        "the tenants behind the backlog",
+        Duration::from_secs(60),
+        || async {
+            let received = provider.received();
+            ["second", "third"]
+                .iter()
+                .all(|t| received.iter().filter(|r| r.tenant == *t).count() >= 20)
+        },
+    )
+    .await;
+    let first_sent = arrivals_of(&provider.received(), "first").len();
+    eprintln!("prefetch {prefetch}: {first_sent} of its {BACKLOG} jobs went before the others' 40");
+    assert!(
+        first_sent < BACKLOG as usize / 2,
+        "the others waited for the backlog: {first_sent} of its {BACKLOG} jobs went before theirs"
+    );
+    wait_for("the backlog", Duration::from_secs(60), || async {
+        arrivals_of(&provider.received(), "first").len() >= BACKLOG as usize
+    })
+    .await;
+    let received = provider.received();
+    assert_eq!(effects(&received).1, 0, "a job was sent twice");
+    assert_eq!(received.len(), BACKLOG as usize + 40, "every job once");
+    let times: Vec<Instant> = received.iter().map(|r| r.instant).collect();
+    assert!(
+        max_in_window(&times, Duration::from_secs(1)) <= 30,
+        "the route went over its 30/s"
     );
     worker.stop().await.unwrap();
     env.cleanup().await;

@@ -1,5 +1,5 @@
-//! Looking past a burst that only parks: extra consumers on a work queue
-//! while what it delivers is not due.
+//! Looking past a burst that is not due: extra consumers on a work queue
+//! while what it delivers is parked or held for later.
 //!
 //! A work queue is FIFO, and a pod holds only its share of the prefetch
 //! from it. A fresh backlog of a tenant held by its quota (2,000 jobs at
@@ -10,16 +10,23 @@
 //! publish. Those slots hold nothing another tenant's due work could use:
 //! no job in them is going to the provider.
 //!
+//! The same holds for a backlog whose jobs are granted later slots and
+//! held in the pod for them: a tenant alone on a shared route has the
+//! whole route as its share, so nothing of its backlog parks, and at one
+//! delivery per queue the tenants behind it on the route (or on no route
+//! at all) were reached only once it had all gone out. A delivery held for
+//! a later slot is not due either.
+//!
 //! So while a work queue's consumer is full and what its queue delivers is
-//! nearly all parked, the pod opens a look-ahead consumer on the same
+//! nearly all not due, the pod opens a look-ahead consumer on the same
 //! queue, then another of twice the size as soon as that one is half full
 //! the same way: the pod takes the burst in ahead of parking it, parks
 //! it side by side, and a due job behind it reaches the provider without
 //! waiting for every park before it. The look-ahead closes as soon as the
-//! queue delivers work that is not parked (a pod must not take due work
-//! beyond its share: other pods could send it) or goes quiet. What a pod
-//! may hold is bounded by [`Lookahead::MAX_DEPTH`] consumers per queue and
-//! by the bytes it holds.
+//! queue delivers due work (a pod must not take due work beyond its share:
+//! other pods could send it) or goes quiet. What a pod may hold is bounded
+//! by [`Lookahead::MAX_DEPTH`] consumers per queue and by the bytes it
+//! holds.
 //!
 //! This is the decision only, with injected time; the worker carries it
 //! out against the broker.
@@ -55,7 +62,8 @@ struct QueueState {
     ahead: u32,
     /// The look-ahead consumers open, by prefetch.
     open: Vec<u16>,
-    /// The last [`Lookahead::WINDOW`] settlements, newest in bit 0: 1 parked.
+    /// The last [`Lookahead::WINDOW`] settlements, newest in bit 0: 1 not
+    /// due (parked, or held in the pod for a later slot).
     recent: u32,
     /// How many of `recent`'s bits are real (up to the window).
     seen: u32,
@@ -97,18 +105,19 @@ impl Lookahead {
         self.open_if_backed_up(queue)
     }
 
-    /// A delivery from `queue` by `via` was settled; `parked`: it went to a
-    /// delay tier (it was not due).
-    pub fn settled(&mut self, queue: usize, via: Via, bytes: usize, parked: bool) -> Option<Step> {
+    /// A delivery from `queue` by `via` was settled; `not_due`: it went to a
+    /// delay tier, or it was held in the pod for a later slot before its
+    /// call.
+    pub fn settled(&mut self, queue: usize, via: Via, bytes: usize, not_due: bool) -> Option<Step> {
         self.held_bytes = self.held_bytes.saturating_sub(bytes);
         let q = &mut self.queues[queue];
         match via {
             Via::Main => q.main = q.main.saturating_sub(1),
             Via::Ahead => q.ahead = q.ahead.saturating_sub(1),
         }
-        q.recent = (q.recent << 1) | u32::from(parked);
+        q.recent = (q.recent << 1) | u32::from(not_due);
         q.seen = (q.seen + 1).min(Self::WINDOW);
-        if !q.open.is_empty() && q.seen >= Self::MIN_SEEN && q.parked() * 2 < q.seen {
+        if !q.open.is_empty() && q.seen >= Self::MIN_SEEN && q.not_due() * 2 < q.seen {
             // Due work is coming through: take no more than the share.
             q.open.clear();
             return Some(Step::Close { queue });
@@ -135,8 +144,8 @@ impl Lookahead {
         // Half full: the next opens while the last still has room, so the
         // pod's deliveries in hand run ahead of its parking.
         let full = q.main >= self.share && q.ahead * 2 >= capacity;
-        let parking = q.seen >= Self::MIN_SEEN && q.parked() * 4 >= q.seen * 3;
-        if !(full && parking && bytes_left && q.open.len() < Self::MAX_DEPTH) {
+        let passing = q.seen >= Self::MIN_SEEN && q.not_due() * 4 >= q.seen * 3;
+        if !(full && passing && bytes_left && q.open.len() < Self::MAX_DEPTH) {
             return None;
         }
         let prefetch = Self::FIRST << q.open.len();
@@ -146,7 +155,7 @@ impl Lookahead {
 }
 
 impl QueueState {
-    fn parked(&self) -> u32 {
+    fn not_due(&self) -> u32 {
         let mask = if self.seen >= 32 {
             u32::MAX
         } else {

@@ -50,7 +50,12 @@ use crate::throttles::LocalThrottles;
 /// How one delivery was settled.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Settled {
-    Completed(Completion),
+    /// Through the provider call (or past it: cancelled, a duplicate);
+    /// `held`: held in the pod for a later slot or due time first.
+    Completed {
+        completion: Completion,
+        held: bool,
+    },
     Parked(ParkReason),
     DeadLettered(DeadReason),
     /// Not settled here (its successor could not be published, processing
@@ -256,7 +261,7 @@ async fn look_ahead(consumption: &mut Consumption, step: Step) {
                     info!(
                         queue = %consumption.control.work_queues()[queue],
                         prefetch,
-                        "a work queue delivers only jobs to park: looking further ahead"
+                        "a work queue delivers only jobs to park or hold for later: looking further ahead"
                     );
                 }
                 Err(e) => warn!(error = %e, "opening a look-ahead consumer"),
@@ -597,8 +602,12 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
                 Some(done) = tasks.join_next(), if !tasks.is_empty() => match done {
                     Ok(done) if done.session == session => {
                         work_of(done.source).and_then(|(queue, via)| {
-                            let parked = matches!(done.settled, Settled::Parked(_));
-                            lookahead.settled(queue, via, done.bytes, parked)
+                            let not_due = match done.settled {
+                                Settled::Parked(_) => true,
+                                Settled::Completed { held, .. } => held,
+                                Settled::DeadLettered(_) | Settled::Requeued => false,
+                            };
+                            lookahead.settled(queue, via, done.bytes, not_due)
                         })
                     }
                     _ => None,
@@ -874,6 +883,8 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
         // A call slot kept while a late permit is asked for again, so that
         // a permit granted for now is used at once, not late again.
         let mut kept_call: Option<tokio::sync::OwnedSemaphorePermit> = None;
+        // Held in this pod for later at some point (see `Settled`).
+        let mut held = false;
         loop {
             if !matches!(action, Action::AskPermit | Action::CallProvider) {
                 kept_call = None;
@@ -885,6 +896,7 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
                     // shutdown lets it go out (the slot is at most one
                     // permit horizon away).
                     let _slot = self.holds.hold(&job.tenant, true);
+                    held |= !now.until(until).is_zero();
                     debug!(
                         decision = "reserved",
                         wait_ms = now.until(until).as_millis() as u64
@@ -907,6 +919,7 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
                         action = run.park_instead(&self.policy, now, until, reason);
                         continue;
                     };
+                    held |= !now.until(until).is_zero();
                     debug!(
                         decision = "held",
                         wait_ms = now.until(until).as_millis() as u64
@@ -1123,7 +1136,7 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
                     self.metrics
                         .completed(tenant, completion, run.progress().quota_wait);
                     self.log_decision(job, &run, completion.as_str(), Duration::ZERO, None);
-                    return Ok(Settled::Completed(completion));
+                    return Ok(Settled::Completed { completion, held });
                 }
             };
         }
