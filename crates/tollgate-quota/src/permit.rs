@@ -514,7 +514,8 @@ impl Group {
             Group::Permit => (PermitKeys::NAMES.len(), PermitArgs::NAMES.len()),
             Group::Complete => (9, 8),
             Group::RouteReserve => (8, 9),
-            Group::RouteGiveBack | Group::RouteComplete => (3, 3),
+            Group::RouteGiveBack => (5, 5),
+            Group::RouteComplete => (3, 3),
         }
     }
 }
@@ -1003,8 +1004,21 @@ impl RedisPermits {
                         k.route_holes(req.route),
                         k.route_quota(req.route),
                         k.route_adapt(req.route),
+                        k.route_line(req.route, req.tenant),
+                        k.route_active(req.route),
                     ],
-                    vec![route_at.to_string(), pacing, now_arg],
+                    vec![
+                        route_at.to_string(),
+                        pacing,
+                        now_arg,
+                        // Paused: it leaves the route's tenants with work.
+                        if matches!(reply, Reply::Decision(PermitDecision::Paused { .. })) {
+                            req.tenant.as_str().to_owned()
+                        } else {
+                            String::new()
+                        },
+                        micros(s.pause_recheck).to_string(),
+                    ],
                     false,
                 )
                 .await;

@@ -5,7 +5,7 @@
 --   'p'  a permit decision (`permit.lua`): 21 keys, 21 arguments
 --   'c'  a completion (`complete.lua`): 9 keys, 8 arguments
 --   'r'  a reservation on a route's slot (`route.lua`): 8 keys, 9 arguments
---   'g'  a route's send time given back (`route.lua`): 3 keys, 3 arguments
+--   'g'  a route's send time given back (`route.lua`): 5 keys, 5 arguments
 --   'R'  a route's side of a completion (`route.lua`): 3 keys, 3 arguments
 -- The groups' keys and arguments follow, one group after another.
 -- Reply: one per group, in order.
@@ -15,7 +15,7 @@ local groups = {
   p = {permit, 21, 21},
   c = {complete, 9, 8},
   r = {route_reserve, 8, 9},
-  g = {route_give_back, 3, 3},
+  g = {route_give_back, 5, 5},
   R = {route_complete, 3, 3},
 }
 local kinds = ARGV[1]

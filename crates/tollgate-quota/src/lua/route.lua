@@ -85,9 +85,16 @@ local function route_reserve(k, a)
   local tat, stored = clamped_tat(redis.call('GET', tat_key), b, now, horizon)
   local free = math.max(tat - b[1] * (b[2] - 1), now, penalty)
 
+  -- Paused, as its slot said on a send time given back (`route_give_back`):
+  -- nothing reserved and not counted until the mark lapses (the pause's
+  -- recheck), so its parked jobs asking again keep it off the route.
+  local raw_line = redis.call('GET', line_key)
+  local paused_until = tonumber(string.match(raw_line or '', '^paused (%S+)$'))
+  if paused_until and paused_until > now then return {1, math.ceil(paused_until - now), 0, 0} end
+  if paused_until then raw_line = nil end
   local clock, total = share_clock(weights_key, active_key, tenant_name, tonumber(a[8]) or 1, 1, b[1], now)
   local spacing = clock.step * total
-  local line = clock.line(redis.call('GET', line_key))
+  local line = clock.line(raw_line)
   local place_v = tonumber(a[6])
   if place_v then place_v = clock.place(place_v, tonumber(a[9])) end
   local place = place_v and clock.real(place_v)
@@ -193,11 +200,26 @@ end
 -- the job was a duplicate, cancelled, ...). One already past is dropped: a
 -- send in it now would be late.
 --
--- Keys (3): route holes, route quota, route adapt. Arguments (3): the send
--- time (microseconds), pacing factor, "now" override ("" = Redis TIME).
+-- A paused tenant (its slot said so) leaves the route's tenants with work
+-- now, as on one Redis (`permit.lua`), and its line on the route is marked
+-- paused for the pause's recheck: counted on, it held the route at half
+-- its rate for the others while it was paused.
+--
+-- Keys (5): route holes, route quota, route adapt, the tenant's line on the
+-- route, the route's tenants with work. Arguments (5): the send time
+-- (microseconds), pacing factor, "now" override ("" = Redis TIME), the
+-- tenant's name when it is paused ("" = not), the pause's recheck
+-- (microseconds).
 -- Reply: {1} given back, {0} dropped.
 local function route_give_back(k, a)
   local now = now_us(a[3])
+  if a[4] ~= '' then
+    if redis.call('ZSCORE', k[5], a[4]) then
+      redis.call('ZADD', k[5], string.format('%.0f', now), a[4])
+    end
+    local recheck = tonumber(a[5])
+    redis.call('SET', k[4], 'paused ' .. string.format('%.0f', now + recheck), 'PX', math.ceil(recheck / 1000) + 1000)
+  end
   local at = tonumber(a[1])
   local b = route_bucket(k[2], k[3], tonumber(a[2]), now)
   if not b or at < now then return {0} end
