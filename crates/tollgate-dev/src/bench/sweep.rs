@@ -333,7 +333,12 @@ fn missed_slots(received: &[&Received], over: Duration) -> usize {
         .filter(|r| r.status == 200)
         .map(|r| r.instant)
         .collect();
-    sent.windows(2).filter(|w| w[1] - w[0] > over).count()
+    gaps_over(&sent, over)
+}
+
+/// Gaps between consecutive `sends` longer than `over`.
+fn gaps_over(sends: &[Instant], over: Duration) -> usize {
+    sends.windows(2).filter(|w| w[1] - w[0] > over).count()
 }
 
 /// `n` due offsets, uniform over 2–20 s, the same on every run.
@@ -641,6 +646,11 @@ async fn quota_below_share(base: &Config, setting: Setting) -> anyhow::Result<Ve
             "quota below its share: held tenant's longest wait between sends",
             "ms",
             vec![longest_gap],
+        ),
+        Figure::new(
+            "quota below its share: held tenant's slots missed (gaps over 1.5 of its 100 ms spacing)",
+            "gaps",
+            vec![gaps_over(&held, Duration::from_millis(150)) as f64],
         ),
         Figure::new(
             "quota below its share: held tenant max in any 1 s (quota 10)",
