@@ -171,16 +171,12 @@ local function permit(KEYS, ARGV)
   local q = redis.call('HMGET', tenant_quota_key, 'count', 'period_ms', 'burst', 'concurrency', 'paused',
     'shadow_count', 'shadow_period_ms', 'shadow_burst', 'updated_at_ms', 'weight', 'adaptive')
   if q[5] == '1' then
-    -- Paused: its jobs park without their places, and it leaves the route's
-    -- tenants with work now (the next decision takes its weight out of the
-    -- sum) with its share line. Kept, they held the route at half its rate
-    -- for the other tenant while it was paused, and after the resume its
-    -- jobs, back as new, queued behind its stale line: 2 sends in 30 s
-    -- with 540 waiting.
-    if redis.call('ZSCORE', route_active_key, tenant_name) then
-      redis.call('ZADD', route_active_key, string.format('%.0f', now), tenant_name)
-      redis.call('DEL', route_share_key)
-    end
+    -- Paused: its jobs park without their places, and it leaves the route
+    -- (`share_leave`) with its share line. Kept, the line held its jobs
+    -- after the resume, back as new, behind its stale places: 2 sends in
+    -- 30 s with 540 waiting.
+    share_leave(route_active_key, tenant_name, now)
+    redis.call('DEL', route_share_key)
     return {4, tonumber(pause_recheck_us)}
   end
 
@@ -673,6 +669,7 @@ local function permit(KEYS, ARGV)
         -- (below), its own. Handed the route's next free time instead, two
         -- such jobs asking together got the same place: one took it, the
         -- other went to the back of the line, and the tenant lost a slot.
+
         -- Its slot went to another job (it came back late, or a reservation
         -- took it): the back of its line. Moving it to the front instead would
         -- shift every place behind it by as much, each costing a round trip

@@ -200,10 +200,9 @@ end
 -- the job was a duplicate, cancelled, ...). One already past is dropped: a
 -- send in it now would be late.
 --
--- A paused tenant (its slot said so) leaves the route's tenants with work
--- now, as on one Redis (`permit.lua`), and its line on the route is marked
--- paused for the pause's recheck: counted on, it held the route at half
--- its rate for the others while it was paused.
+-- A paused tenant (its slot said so) leaves the route (`share_leave`), as
+-- on one Redis, and its line on the route is marked paused for the pause's
+-- recheck.
 --
 -- Keys (5): route holes, route quota, route adapt, the tenant's line on the
 -- route, the route's tenants with work. Arguments (5): the send time
@@ -214,9 +213,7 @@ end
 local function route_give_back(k, a)
   local now = now_us(a[3])
   if a[4] ~= '' then
-    if redis.call('ZSCORE', k[5], a[4]) then
-      redis.call('ZADD', k[5], string.format('%.0f', now), a[4])
-    end
+    share_leave(k[5], a[4], now)
     local recheck = tonumber(a[5])
     redis.call('SET', k[4], 'paused ' .. string.format('%.0f', now + recheck), 'PX', math.ceil(recheck / 1000) + 1000)
   end

@@ -179,3 +179,12 @@ local function share_count(weights_key, active_key, tenant_name, until_at, now)
     if redis.call('PTTL', key) < ttl_ms then redis.call('PEXPIRE', key, ttl_ms) end
   end
 end
+
+-- A paused tenant leaves the route's tenants with work now (the next
+-- decision takes its weight out of the sum). Counted on, it held the route
+-- at half its rate for the others while it was paused.
+local function share_leave(active_key, tenant_name, now)
+  if redis.call('ZSCORE', active_key, tenant_name) then
+    redis.call('ZADD', active_key, string.format('%.0f', now), tenant_name)
+  end
+end
