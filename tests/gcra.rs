@@ -2287,13 +2287,11 @@ fn many_tenants_keeping_places_on_one_route_all_keep_their_pace() {
 /// the floor together, the route's virtual time ran 50 times faster than
 /// real time, and when the 100/s tenant came 5 s in, every share place
 /// already given stretched 50-fold: a 1/s tenant went 23 s without a send
-/// with four asks decided together (2.0 s now in most runs). The bound
-/// leaves room for the harness: it decides the asks it groups at the
-/// latest of their times, and the pods' batches fall differently when
-/// Redis is busy, so a 1/s tenant sometimes loses one or two slots: 2.0 s
-/// in 24 of 30 runs alone (at most 2.3 s), and up to 3.2 s with the rest
-/// of this suite running beside it, the code before the places' steps
-/// were kept included (3.06 and 3.09 s in 25 runs of it under that load).
+/// with four asks decided together (2.03 s now, at most). The harness
+/// decides the asks it groups at the latest of their times, so a 1/s
+/// tenant may lose a slot or two to it; while its pods raced for Redis,
+/// runs beside the rest of this suite read up to 3.2 s. The bound, 4 s,
+/// still catches the 23 s.
 #[test]
 fn slow_tenants_places_stay_near_when_a_fast_tenant_joins_their_route() {
     for at_once in [2, 4] {
