@@ -10,6 +10,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
+use tollgate_amqp::ShardQueue;
 use tollgate_amqp::lapin::options::{
     BasicConsumeOptions, BasicQosOptions, QueueDeclareOptions, QueueDeleteOptions,
 };
@@ -450,34 +451,12 @@ async fn a_backlog_that_only_parks_is_looked_past_and_the_look_ahead_closes_afte
         .await;
     let queue = env.broker.topology().work_queues().remove(0);
     let (_conn, channel) = env.raw_channel().await;
-    let consumers = async || {
-        channel
-            .queue_declare(
-                queue.as_str().into(),
-                QueueDeclareOptions {
-                    passive: true,
-                    ..Default::default()
-                },
-                FieldTable::default(),
-            )
-            .await
-            .expect("the work queue")
-            .consumer_count()
-    };
-    assert_eq!(consumers().await, 1, "one main consumer");
+    assert_eq!(consumers_on(&channel, &queue).await, 1, "one main consumer");
     env.publish("noisy", BACKLOG, |_| {}).await;
     let quiet = env.publish("quiet", 3, |_| {}).await;
-    wait_for("a look-ahead consumer", Duration::from_secs(30), || async {
-        consumers().await > 1
-    })
-    .await;
+    wait_for_look_ahead(&channel, &queue, true).await;
     wait_for_quiet_sends(&provider, 3).await;
-    wait_for(
-        "the look-ahead to close once the queue is quiet",
-        Duration::from_secs(30),
-        || async { consumers().await == 1 },
-    )
-    .await;
+    wait_for_look_ahead(&channel, &queue, false).await;
     let received = provider.received();
     let quiet_sent: Vec<&str> = received
         .iter()
@@ -581,6 +560,93 @@ async fn behind_a_backlog_on_a_shared_route(prefetch: u16) {
     );
     worker.stop().await.unwrap();
     env.cleanup().await;
+}
+
+/// Copies back for their places are looked past on their return queue as a
+/// backlog is on its work queue. With one delivery per queue, each copy
+/// back a few ms before its slot was held in that one delivery, the copies
+/// behind it, due as soon, waited for it and came back late for their
+/// places: many tenants each well inside their quotas went out at what
+/// one delivery could hold, not at the sum of their quotas. A pod now
+/// opens look-ahead consumers on a return queue whose copies it holds for
+/// later slots or parks again, and closes them once the queue is quiet.
+/// Each job goes once and no tenant goes over its quota.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn copies_held_for_their_slots_are_looked_past_on_their_return_queue() {
+    const TENANTS: usize = 20;
+    const JOBS: u32 = 6;
+    let provider = FakeProvider::start_punctual(fake_provider::always_ok())
+        .await
+        .unwrap();
+    let env = TestEnv::new_with(&provider.url(), |c| c.shards = 1).await;
+    let tenants: Vec<String> = (0..TENANTS).map(|i| format!("many-{i}")).collect();
+    for tenant in &tenants {
+        env.set_quota(tenant, "2/s", 1).await;
+    }
+    let worker = env
+        .spawn_worker_with(|c| {
+            c.concurrency = 1;
+            c.prefetch = Some(1);
+        })
+        .await;
+    let queue = env.broker.topology().queues(ShardQueue::Return).remove(0);
+    let (_conn, channel) = env.raw_channel().await;
+    assert_eq!(consumers_on(&channel, &queue).await, 1, "one main consumer");
+    for tenant in &tenants {
+        env.publish(tenant, JOBS, |_| {}).await;
+    }
+    wait_for_look_ahead(&channel, &queue, true).await;
+    let total = TENANTS * JOBS as usize;
+    wait_for("every job", Duration::from_secs(60), || async {
+        provider.received().len() >= total
+    })
+    .await;
+    wait_for_look_ahead(&channel, &queue, false).await;
+    let received = provider.received();
+    assert_eq!(effects(&received).1, 0, "a job was sent twice");
+    assert_eq!(received.len(), total, "every job once, none refused");
+    for tenant in &tenants {
+        let times = arrivals_of(&received, tenant);
+        assert_eq!(times.len(), JOBS as usize, "{tenant}'s jobs");
+        assert!(
+            max_in_window(&times, Duration::from_secs(1)) <= 2,
+            "{tenant} went over its 2/s"
+        );
+    }
+    worker.stop().await.unwrap();
+    env.cleanup().await;
+}
+
+/// Waits (up to 30 s) until `queue` has a look-ahead consumer besides its
+/// main one (`open`), or only its main one again (`!open`: the look-ahead
+/// closes once the queue is quiet).
+async fn wait_for_look_ahead(channel: &tollgate_amqp::lapin::Channel, queue: &str, open: bool) {
+    let what = if open {
+        format!("a look-ahead consumer on {queue}")
+    } else {
+        format!("the look-ahead on {queue} to close once it is quiet")
+    };
+    wait_for(&what, Duration::from_secs(30), || async {
+        let consumers = consumers_on(channel, queue).await;
+        if open { consumers > 1 } else { consumers == 1 }
+    })
+    .await;
+}
+
+/// How many consumers `queue` has now (a passive declare).
+async fn consumers_on(channel: &tollgate_amqp::lapin::Channel, queue: &str) -> u32 {
+    channel
+        .queue_declare(
+            queue.into(),
+            QueueDeclareOptions {
+                passive: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{queue}: {e}"))
+        .consumer_count()
 }
 
 /// Waits (up to a minute) until the provider got `n` jobs of the tenant

@@ -529,7 +529,7 @@ async fn a_look_ahead_takes_deliveries_past_the_prefetch_until_cancelled() {
     use tollgate_amqp::{Source, Via};
 
     const JOBS: usize = 30;
-    let main = Source::Work {
+    let main = Source::Lane {
         queue: 0,
         via: Via::Main,
     };
@@ -550,7 +550,7 @@ async fn a_look_ahead_takes_deliveries_past_the_prefetch_until_cancelled() {
         let (source, delivery) = next_delivery(&mut consumption).await;
         assert_eq!(
             source,
-            Source::Work {
+            Source::Lane {
                 queue: 0,
                 via: Via::Ahead
             },

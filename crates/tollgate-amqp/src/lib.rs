@@ -484,7 +484,8 @@ impl Broker {
     /// up), so a backlog on one queue cannot take every slot, and each other
     /// queue's as much again: copies back from a wait never queue behind
     /// fresh work for a delivery slot, nor copies due behind copies that
-    /// come back only to park again.
+    /// come back only to park again. Any lane queue can be looked past
+    /// beyond its share ([`ConsumerControl::look_ahead`]).
     pub async fn consume(
         &self,
         consumer_name: &str,
@@ -505,11 +506,22 @@ impl Broker {
         let channel = self.open_channel().await?;
         let work = self.topology.work_queues();
         let share = prefetch.div_ceil(work.len() as u16).max(1);
-        let mut queues: Vec<(String, Source)> = work
+        // Every lane may look ahead: a return queue's copies held a few ms
+        // for their slots block the copies behind them as a fresh backlog
+        // does, and a recheck queue's copies only ever park again.
+        let lanes: Vec<String> = work
+            .into_iter()
+            .chain(
+                [ShardQueue::Return, ShardQueue::Recheck]
+                    .into_iter()
+                    .flat_map(|kind| self.topology.queues(kind)),
+            )
+            .collect();
+        let mut queues: Vec<(String, Source)> = lanes
             .iter()
             .enumerate()
             .map(|(queue, name)| {
-                let source = Source::Work {
+                let source = Source::Lane {
                     queue,
                     via: Via::Main,
                 };
@@ -517,11 +529,7 @@ impl Broker {
             })
             .collect();
         let draining = self.draining.lock().expect("not poisoned").clone();
-        let others = [ShardQueue::Return, ShardQueue::Recheck]
-            .into_iter()
-            .flat_map(|kind| self.topology.queues(kind))
-            .chain(draining);
-        queues.extend(others.map(|name| (name, Source::Other)));
+        queues.extend(draining.into_iter().map(|name| (name, Source::Draining)));
         let mut deliveries = SelectAll::new();
         let mut tags = Vec::with_capacity(queues.len());
         for (i, (queue, source)) in queues.into_iter().enumerate() {
@@ -535,8 +543,8 @@ impl Broker {
             control: ConsumerControl {
                 channel,
                 consumer_name: consumer_name.to_owned(),
-                ahead: std::sync::Mutex::new(vec![Vec::new(); work.len()]),
-                work,
+                ahead: std::sync::Mutex::new(vec![Vec::new(); lanes.len()]),
+                lanes,
                 share,
                 tags,
                 opening: tokio::sync::Mutex::new(0),
@@ -762,7 +770,7 @@ struct Swept {
     unvisited: usize,
 }
 
-/// The deliveries of every work queue, merged, and what is needed to stop
+/// The deliveries of every consumed queue, merged, and what is needed to stop
 /// them: cancel the consumers (no new deliveries) but keep the channel open
 /// until in-flight deliveries are acked.
 pub struct Consumption {
@@ -775,13 +783,14 @@ pub struct Consumption {
 /// Which consumer a delivery came by.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Source {
-    /// A work queue (its index in [`Topology::work_queues`]).
-    Work { queue: usize, via: Via },
-    /// A return, recheck or draining queue.
-    Other,
+    /// A lane's queue: a shard's work, return or recheck queue (its index
+    /// in [`ConsumerControl::lane_queues`]).
+    Lane { queue: usize, via: Via },
+    /// A queue of a shard being retired, drained by its main consumer only.
+    Draining,
 }
 
-/// Which of a work queue's consumers a delivery came by.
+/// Which of a lane queue's consumers a delivery came by.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Via {
     /// The queue's main consumer, with its share of the prefetch.
@@ -798,11 +807,13 @@ pub type Arrivals = SelectAll<BoxStream<'static, (Source, Result<Delivery, lapin
 pub struct ConsumerControl {
     channel: Channel,
     consumer_name: String,
-    work: Vec<String>,
+    /// The lanes' queues, in [`Source::Lane`]'s order: every work queue,
+    /// then every return queue, then every recheck queue.
+    lanes: Vec<String>,
     /// Each main consumer's prefetch.
     share: u16,
     tags: Vec<ShortString>,
-    /// The look-ahead consumers open on each work queue.
+    /// The look-ahead consumers open on each lane queue.
     ahead: std::sync::Mutex<Vec<Vec<ShortString>>>,
     /// Held from a look-ahead's `basic.qos` to its `basic.consume` (the
     /// prefetch applies to the next consumer made on the channel); counts
@@ -816,12 +827,12 @@ impl ConsumerControl {
         self.share
     }
 
-    /// The work queues consumed, in [`Source::Work`]'s order.
-    pub fn work_queues(&self) -> &[String] {
-        &self.work
+    /// The lanes' queues consumed, in [`Source::Lane`]'s order.
+    pub fn lane_queues(&self) -> &[String] {
+        &self.lanes
     }
 
-    /// Opens one more consumer on work queue `queue` with its own
+    /// Opens one more consumer on lane queue `queue` with its own
     /// `prefetch`, on the same channel (so the same [`Acks`] settle its
     /// deliveries); push the stream into the [`Arrivals`].
     pub async fn look_ahead(
@@ -833,13 +844,13 @@ impl ConsumerControl {
             let mut opened = self.opening.lock().await;
             *opened += 1;
             let tag = ShortString::from(format!("{}.ahead.{queue}.{opened}", self.consumer_name));
-            let source = Source::Work {
+            let source = Source::Lane {
                 queue,
                 via: Via::Ahead,
             };
             let stream = consume_from(
                 &self.channel,
-                &self.work[queue],
+                &self.lanes[queue],
                 tag.clone(),
                 prefetch,
                 source,
@@ -851,7 +862,7 @@ impl ConsumerControl {
         .await
     }
 
-    /// Cancels every look-ahead consumer of work queue `queue`; their
+    /// Cancels every look-ahead consumer of lane queue `queue`; their
     /// deliveries in hand can still be acked.
     pub async fn stop_looking_ahead(&self, queue: usize) -> Result<(), AmqpError> {
         let tags = std::mem::take(&mut self.ahead.lock().expect("not poisoned")[queue]);

@@ -73,7 +73,7 @@ impl Policy {
     /// Whether a wait is too short to park without coming back late: such
     /// a wait is held whatever the pod's hold cap. It occupies a delivery
     /// slot for less than the smallest tier.
-    pub fn imminent(&self, wait: Duration) -> bool {
+    fn imminent(&self, wait: Duration) -> bool {
         wait < self.tiers.shortest()
     }
 }
@@ -625,12 +625,25 @@ impl JobRun {
         }
     }
 
-    /// Whether a wait is a place in line this job has just been given (a
-    /// quota wait it did not come back for). A pod with no room to hold
-    /// the tenant's jobs parks such a wait however short, so a backlog's
-    /// first pass moves on and the tenants behind it are reached.
-    pub fn is_new_place(&self, until: UnixMillis, reason: ParkReason) -> bool {
-        reason == ParkReason::Quota && !self.is_hop(until, reason)
+    /// Whether a pod holds this wait whatever its hold cap. A quota wait
+    /// for the place this job came back for (from a hop) is held: parked
+    /// again, it came back later and later for that place (at one delivery
+    /// per queue, 2–3 more hops in its last second, each a permit decision
+    /// and a confirmed publish), and a queue behind it is looked past while
+    /// it waits. A place in line just given never is, however short, so a
+    /// backlog's first pass moves on; any other wait only when it is too
+    /// short to park without coming back late.
+    pub fn held_whatever_the_cap(
+        &self,
+        policy: &Policy,
+        now: UnixMillis,
+        until: UnixMillis,
+        reason: ParkReason,
+    ) -> bool {
+        match reason {
+            ParkReason::Quota => self.is_hop(until, reason),
+            _ => policy.imminent(now.until(until)),
+        }
     }
 
     fn is_hop(&self, until: UnixMillis, reason: ParkReason) -> bool {
@@ -909,6 +922,62 @@ mod tests {
             }
         );
         assert_eq!(back.next(&p, at(7_500)), Action::CheckEligibility);
+    }
+
+    #[test]
+    fn a_copy_back_for_its_kept_place_is_held_whatever_the_cap_a_new_place_is_not() {
+        // The default tiers: the smallest is 100 ms.
+        let p = Policy {
+            tiers: DelayTiers::new(
+                [100, 250, 500, 1_000, 5_000]
+                    .map(Duration::from_millis)
+                    .to_vec(),
+                Duration::from_secs(1),
+            )
+            .unwrap(),
+            ..policy()
+        };
+        // A place in line just given, 600 ms or 50 ms out: parked by a pod
+        // with no room for the tenant, so a backlog's first pass moves on.
+        for ms in [600, 50] {
+            let mut run = JobRun::new(&job(""), Progress::default(), T0);
+            run.next(&p, T0);
+            let until = at(ms);
+            assert_eq!(
+                run.on_permit(
+                    &p,
+                    place(Duration::from_millis(ms as u64), None),
+                    T0,
+                    T0,
+                    0.5
+                ),
+                Action::Hold {
+                    until,
+                    reason: ParkReason::Quota
+                }
+            );
+            assert!(!run.held_whatever_the_cap(&p, T0, until, ParkReason::Quota));
+        }
+        // Its copy back from a hop for that place, 600 ms out: held.
+        let waiting = Progress {
+            not_before: Some(at(1_600)),
+            park_reason: Some(ParkReason::Quota),
+            ..Progress::default()
+        };
+        let mut back = JobRun::new(&job(""), waiting, at(1_000));
+        let held = back.next(&p, at(1_000));
+        assert_eq!(
+            held,
+            Action::Hold {
+                until: at(1_600),
+                reason: ParkReason::Quota
+            }
+        );
+        assert!(back.held_whatever_the_cap(&p, at(1_000), at(1_600), ParkReason::Quota));
+        // Any other wait only when too short to park.
+        let run = JobRun::new(&job(""), Progress::default(), T0);
+        assert!(!run.held_whatever_the_cap(&p, T0, at(600), ParkReason::Backoff));
+        assert!(run.held_whatever_the_cap(&p, T0, at(50), ParkReason::Backoff));
     }
 
     #[test]

@@ -241,11 +241,11 @@ impl Readiness {
 /// How long a Redis readiness answer is reused.
 const READINESS_TTL: Duration = Duration::from_secs(1);
 
-/// A work queue's delivery: its queue and the consumer it came by.
-fn work_of(source: Source) -> Option<(usize, Via)> {
+/// A lane queue's delivery: its queue and the consumer it came by.
+fn lane_of(source: Source) -> Option<(usize, Via)> {
     match source {
-        Source::Work { queue, via } => Some((queue, via)),
-        Source::Other => None,
+        Source::Lane { queue, via } => Some((queue, via)),
+        Source::Draining => None,
     }
 }
 
@@ -259,9 +259,9 @@ async fn look_ahead(consumption: &mut Consumption, step: Step) {
                 Ok(stream) => {
                     consumption.deliveries.push(stream);
                     info!(
-                        queue = %consumption.control.work_queues()[queue],
+                        queue = %consumption.control.lane_queues()[queue],
                         prefetch,
-                        "a work queue delivers only jobs to park or hold for later: looking further ahead"
+                        "a queue delivers only jobs to park or hold for later: looking further ahead"
                     );
                 }
                 Err(e) => warn!(error = %e, "opening a look-ahead consumer"),
@@ -269,8 +269,8 @@ async fn look_ahead(consumption: &mut Consumption, step: Step) {
         }
         Step::Close { queue } => match consumption.control.stop_looking_ahead(queue).await {
             Ok(()) => info!(
-                queue = %consumption.control.work_queues()[queue],
-                "a work queue delivers due work or nothing: back to its share of the prefetch"
+                queue = %consumption.control.lane_queues()[queue],
+                "a queue delivers due work or nothing: back to its share of the prefetch"
             ),
             Err(e) => warn!(error = %e, "cancelling look-ahead consumers"),
         },
@@ -569,7 +569,7 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
         info!(name = %self.name, prefetch = self.prefetch, "worker consuming");
         let session = self.sessions.fetch_add(1, Ordering::Relaxed);
         let mut lookahead = Lookahead::new(
-            consumption.control.work_queues().len(),
+            consumption.control.lane_queues().len(),
             consumption.control.share(),
             LOOKAHEAD_MAX_BYTES,
         );
@@ -592,7 +592,7 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
                             let settled = worker.settle(&broker, &acks, delivery).await;
                             Done { session, source, bytes, settled }
                         }));
-                        work_of(source).and_then(|(queue, via)| {
+                        lane_of(source).and_then(|(queue, via)| {
                             lookahead.delivered(queue, via, bytes, ms())
                         })
                     }
@@ -601,7 +601,7 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
                 },
                 Some(done) = tasks.join_next(), if !tasks.is_empty() => match done {
                     Ok(done) if done.session == session => {
-                        work_of(done.source).and_then(|(queue, via)| {
+                        lane_of(done.source).and_then(|(queue, via)| {
                             let not_due = match done.settled {
                                 Settled::Parked(_) => true,
                                 Settled::Completed { held, .. } => held,
@@ -910,11 +910,10 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
                     commitment.end();
                     // Held only while this pod holds few of the tenant's
                     // jobs, so one tenant's waits cannot fill the prefetch
-                    // and block the tenants behind it; a wait too short to
-                    // park without going late is held whatever the cap,
-                    // unless it is a place in line just given.
-                    let forced =
-                        self.policy.imminent(now.until(until)) && !run.is_new_place(until, reason);
+                    // and block the tenants behind it; a copy back for its
+                    // kept place, and a wait too short to park without
+                    // going late, are held whatever the cap.
+                    let forced = run.held_whatever_the_cap(&self.policy, now, until, reason);
                     let Some(_slot) = self.holds.hold(&job.tenant, forced) else {
                         action = run.park_instead(&self.policy, now, until, reason);
                         continue;
