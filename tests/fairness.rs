@@ -569,12 +569,14 @@ async fn behind_a_backlog_on_a_shared_route(prefetch: u16) {
 /// places: many tenants each well inside their quotas went out at what
 /// one delivery could hold, not at the sum of their quotas. A pod now
 /// opens look-ahead consumers on a return queue whose copies it holds for
-/// later slots or parks again, and closes them once the queue is quiet.
+/// later slots or parks again (counted in `tollgate_look_aheads_total`,
+/// which outlives a look-ahead too short to see from outside), and closes
+/// them once the queue is quiet.
 /// Each job goes once and no tenant goes over its quota.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn copies_held_for_their_slots_are_looked_past_on_their_return_queue() {
-    const TENANTS: usize = 20;
-    const JOBS: u32 = 6;
+    const TENANTS: usize = 30;
+    const JOBS: u32 = 8;
     let provider = FakeProvider::start_punctual(fake_provider::always_ok())
         .await
         .unwrap();
@@ -595,12 +597,15 @@ async fn copies_held_for_their_slots_are_looked_past_on_their_return_queue() {
     for tenant in &tenants {
         env.publish(tenant, JOBS, |_| {}).await;
     }
-    wait_for_look_ahead(&channel, &queue, true).await;
     let total = TENANTS * JOBS as usize;
     wait_for("every job", Duration::from_secs(60), || async {
         provider.received().len() >= total
     })
     .await;
+    let opened = worker
+        .metrics
+        .counter_sum("tollgate_look_aheads_total", &[("lane", "return")]);
+    assert!(opened > 0.0, "no look-ahead opened on the return queue");
     wait_for_look_ahead(&channel, &queue, false).await;
     let received = provider.received();
     assert_eq!(effects(&received).1, 0, "a job was sent twice");

@@ -35,6 +35,7 @@ fn pinned() -> BTreeMap<&'static str, Vec<&'static str>> {
         ("tollgate_parked_total", vec!["reason", "tenant"]),
         ("tollgate_dead_letters_total", vec!["reason", "tenant"]),
         ("tollgate_tier_publishes_total", vec!["tier"]),
+        ("tollgate_look_aheads_total", vec!["lane"]),
         ("tollgate_jobs_in_flight", vec![]),
         ("tollgate_consuming", vec![]),
         ("tollgate_build_info", vec!["version"]),

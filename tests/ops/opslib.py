@@ -20,6 +20,7 @@ COUNTERS = {
     "tollgate_parked_total",
     "tollgate_dead_letters_total",
     "tollgate_tier_publishes_total",
+    "tollgate_look_aheads_total",
     "tollgate_tenant_label_overflow_total",
 }
 HISTOGRAMS = {

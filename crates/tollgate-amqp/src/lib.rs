@@ -504,23 +504,21 @@ impl Broker {
         prefetch: u16,
     ) -> Result<Consumption, AmqpError> {
         let channel = self.open_channel().await?;
-        let work = self.topology.work_queues();
-        let share = prefetch.div_ceil(work.len() as u16).max(1);
+        let share = prefetch.div_ceil(self.topology.shards()).max(1);
         // Every lane may look ahead: a return queue's copies held a few ms
         // for their slots block the copies behind them as a fresh backlog
         // does, and a recheck queue's copies only ever park again.
-        let lanes: Vec<String> = work
+        let lanes: Vec<(ShardQueue, String)> = ShardQueue::ALL
             .into_iter()
-            .chain(
-                [ShardQueue::Return, ShardQueue::Recheck]
-                    .into_iter()
-                    .flat_map(|kind| self.topology.queues(kind)),
-            )
+            .flat_map(|kind| {
+                let queues = self.topology.queues(kind);
+                queues.into_iter().map(move |queue| (kind, queue))
+            })
             .collect();
         let mut queues: Vec<(String, Source)> = lanes
             .iter()
             .enumerate()
-            .map(|(queue, name)| {
+            .map(|(queue, (_, name))| {
                 let source = Source::Lane {
                     queue,
                     via: Via::Main,
@@ -807,9 +805,9 @@ pub type Arrivals = SelectAll<BoxStream<'static, (Source, Result<Delivery, lapin
 pub struct ConsumerControl {
     channel: Channel,
     consumer_name: String,
-    /// The lanes' queues, in [`Source::Lane`]'s order: every work queue,
-    /// then every return queue, then every recheck queue.
-    lanes: Vec<String>,
+    /// The lanes' queues, each with its lane, in [`Source::Lane`]'s order:
+    /// every work queue, then every return queue, then every recheck queue.
+    lanes: Vec<(ShardQueue, String)>,
     /// Each main consumer's prefetch.
     share: u16,
     tags: Vec<ShortString>,
@@ -827,9 +825,15 @@ impl ConsumerControl {
         self.share
     }
 
-    /// The lanes' queues consumed, in [`Source::Lane`]'s order.
-    pub fn lane_queues(&self) -> &[String] {
-        &self.lanes
+    /// How many lane queues are consumed ([`Source::Lane`]'s indices).
+    pub fn lane_count(&self) -> usize {
+        self.lanes.len()
+    }
+
+    /// Lane queue `queue`'s lane and name.
+    pub fn lane_queue(&self, queue: usize) -> (ShardQueue, &str) {
+        let (kind, name) = &self.lanes[queue];
+        (*kind, name)
     }
 
     /// Opens one more consumer on lane queue `queue` with its own
@@ -850,7 +854,7 @@ impl ConsumerControl {
             };
             let stream = consume_from(
                 &self.channel,
-                &self.lanes[queue],
+                &self.lanes[queue].1,
                 tag.clone(),
                 prefetch,
                 source,

@@ -53,6 +53,12 @@ pub enum ShardQueue {
 impl ShardQueue {
     pub const ALL: [Self; 3] = [Self::Work, Self::Return, Self::Recheck];
 
+    /// The lane's name, as in its queues' names: `work`, `return`,
+    /// `recheck`.
+    pub fn lane(self) -> &'static str {
+        self.names().1
+    }
+
     /// The names of its exchange and (before `.<shard>`) of its queues.
     fn names(self) -> (&'static str, &'static str) {
         match self {

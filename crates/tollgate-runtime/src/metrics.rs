@@ -11,6 +11,7 @@ use prometheus::{
     Encoder, GaugeVec, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
     IntGaugeVec, Opts, Registry, TextEncoder,
 };
+use tollgate_amqp::ShardQueue;
 use tollgate_core::ports::Learned;
 use tollgate_core::{
     Completion, DeadReason, DelayTiers, ParkReason, PermitDecision, ProviderOutcome, Shadow,
@@ -88,6 +89,7 @@ struct Inner {
     parked: IntCounterVec,
     dead_letters: IntCounterVec,
     tier_publishes: IntCounterVec,
+    look_aheads: IntCounterVec,
     effective_rate: LearnedRates,
     route_effective_rate: LearnedRates,
     in_flight: IntGauge,
@@ -304,6 +306,12 @@ impl Metrics {
                 "Copies published to a delay tier, by tier; a long wait takes several hops through the tiers.",
                 &["tier"],
             ),
+            look_aheads: counter(
+                r,
+                "tollgate_look_aheads_total",
+                "Look-ahead consumers opened beyond a queue's share of the prefetch, by lane (work, return, recheck): the queue delivered only jobs to park or to hold for later slots. A pod holding far more unacked deliveries than its prefetch is looking ahead.",
+                &["lane"],
+            ),
             effective_rate: LearnedRates::new(gauge(
                 r,
                 "tollgate_quota_effective_rate",
@@ -320,6 +328,11 @@ impl Metrics {
             consuming,
             registry,
         };
+        // Every lane at 0 from the start: a bounded set, and a rate over a
+        // series that is not there yet is no data rather than none opened.
+        for lane in ShardQueue::ALL {
+            inner.look_aheads.with_label_values(&[lane.lane()]);
+        }
         Self(Arc::new(inner))
     }
 
@@ -410,6 +423,11 @@ impl Metrics {
             .tier_publishes
             .with_label_values(&[&DelayTiers::name(tier)])
             .inc();
+    }
+
+    /// A look-ahead consumer opened on a queue of `lane`.
+    pub fn look_ahead_opened(&self, lane: &str) {
+        self.0.look_aheads.with_label_values(&[lane]).inc();
     }
 
     pub fn parked(&self, tenant: &str, reason: ParkReason) {
@@ -550,6 +568,7 @@ mod tests {
         metrics.parked("acme", ParkReason::Quota);
         metrics.late_permit("acme");
         metrics.tier_publish(Duration::from_secs(5));
+        metrics.look_ahead_opened("return");
         metrics.completed("acme", Completion::Sent, Duration::ZERO);
         metrics.dead_lettered("acme", DeadReason::Rejected, Duration::ZERO);
         let text = metrics.render();
@@ -566,6 +585,7 @@ mod tests {
             "tollgate_parked_total",
             "tollgate_dead_letters_total",
             "tollgate_tier_publishes_total",
+            "tollgate_look_aheads_total",
             "tollgate_jobs_in_flight",
             "tollgate_consuming",
             "tollgate_build_info",

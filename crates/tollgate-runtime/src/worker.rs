@@ -252,14 +252,16 @@ fn lane_of(source: Source) -> Option<(usize, Via)> {
 /// Carries out a look-ahead step on the session's consumers. A consumer
 /// that cannot be opened or cancelled is logged: the channel is failing,
 /// and the session ends with it.
-async fn look_ahead(consumption: &mut Consumption, step: Step) {
+async fn look_ahead(consumption: &mut Consumption, metrics: &Metrics, step: Step) {
     match step {
         Step::Open { queue, prefetch } => {
             match consumption.control.look_ahead(queue, prefetch).await {
                 Ok(stream) => {
                     consumption.deliveries.push(stream);
+                    let (lane, name) = consumption.control.lane_queue(queue);
+                    metrics.look_ahead_opened(lane.lane());
                     info!(
-                        queue = %consumption.control.lane_queues()[queue],
+                        queue = name,
                         prefetch,
                         "a queue delivers only jobs to park or hold for later: looking further ahead"
                     );
@@ -269,7 +271,7 @@ async fn look_ahead(consumption: &mut Consumption, step: Step) {
         }
         Step::Close { queue } => match consumption.control.stop_looking_ahead(queue).await {
             Ok(()) => info!(
-                queue = %consumption.control.lane_queues()[queue],
+                queue = consumption.control.lane_queue(queue).1,
                 "a queue delivers due work or nothing: back to its share of the prefetch"
             ),
             Err(e) => warn!(error = %e, "cancelling look-ahead consumers"),
@@ -569,7 +571,7 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
         info!(name = %self.name, prefetch = self.prefetch, "worker consuming");
         let session = self.sessions.fetch_add(1, Ordering::Relaxed);
         let mut lookahead = Lookahead::new(
-            consumption.control.lane_queues().len(),
+            consumption.control.lane_count(),
             consumption.control.share(),
             LOOKAHEAD_MAX_BYTES,
         );
@@ -622,13 +624,13 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
                         warn!(error = %e, "reopening the publisher channel");
                     }
                     for step in lookahead.tick(ms()) {
-                        look_ahead(&mut consumption, step).await;
+                        look_ahead(&mut consumption, &self.metrics, step).await;
                     }
                     None
                 }
             };
             if let Some(step) = step {
-                look_ahead(&mut consumption, step).await;
+                look_ahead(&mut consumption, &self.metrics, step).await;
             }
         };
         self.set_consuming(false);
