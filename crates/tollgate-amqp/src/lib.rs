@@ -782,7 +782,7 @@ pub struct Consumption {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Source {
     /// A lane's queue: a shard's work, return or recheck queue (its index
-    /// in [`ConsumerControl::lane_queues`]).
+    /// in [`ConsumerControl::lane_queue`]).
     Lane { queue: usize, via: Via },
     /// A queue of a shard being retired, drained by its main consumer only.
     Draining,
