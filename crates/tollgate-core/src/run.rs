@@ -70,9 +70,10 @@ impl Policy {
             .max(self.min_retry_after)
     }
 
-    /// Whether a wait is too short to park without coming back late: such
-    /// a wait is held whatever the pod's hold cap. It occupies a delivery
-    /// slot for less than the smallest tier.
+    /// Whether a wait is too short to park without coming back late. It
+    /// occupies a delivery slot for less than the smallest tier, so
+    /// [`JobRun::held_whatever_the_cap`] holds it (unless it is a place in
+    /// line just given).
     fn imminent(&self, wait: Duration) -> bool {
         wait < self.tiers.shortest()
     }
