@@ -2631,3 +2631,76 @@ fn a_paused_tenant_leaves_the_route(split: bool) {
         "split {split}: the resumed tenant got {share:.3} of the route: {resumed:?}"
     );
 }
+
+/// `GET key` through `redis-cli`, blocking the thread (and with it a
+/// current-thread runtime) while it runs.
+fn get_blocking(key: &str) -> String {
+    let config = tollgate::Config::load(None).expect("TOLLGATE_* environment is valid");
+    let out = std::process::Command::new("redis-cli")
+        .args(["-u", config.redis_url.expose(), "--raw", "GET", key])
+        .output()
+        .expect("redis-cli runs");
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// A denial's time to ask again counts from when Redis made it, as a
+/// grant's send time does, not from when the pod read the reply. Counted
+/// from the read, a job held in its pod for its place came back as much
+/// after it as the reply had waited (in Redis's socket, the batch, a busy
+/// runtime); on a busy route its tenant's kept place had passed by then,
+/// and the slot went unused.
+#[tokio::test(flavor = "current_thread")]
+async fn a_denial_counts_from_when_redis_made_it_however_late_the_pod_reads_it() {
+    use tollgate_core::ports::PermitStore;
+    let (permits, quotas) = stores(Quota::new("1/s".parse().unwrap(), 1).unwrap());
+    let route = Kind::default_kind();
+    let tenant = TenantId::parse("late-reader").unwrap();
+    let ids: Vec<JobId> = (0..3)
+        .map(|i| JobId::parse(format!("job-{i}")).unwrap())
+        .collect();
+    let keys: Vec<IdempotencyKey> = (0..3)
+        .map(|i| IdempotencyKey::parse(format!("key-{i}")).unwrap())
+        .collect();
+    let ask = |i: usize| permits.acquire(request(&tenant, &route, &ids[i], &keys[i]));
+
+    // Asks again at: when it was made, plus its retry (the pod's clock).
+    let again = |d: tollgate_core::ports::Decided| match d.decision {
+        PermitDecision::Denied { retry_in, .. } => d.made_at.saturating_add(retry_in).0,
+        other => panic!("denied, not {other:?}"),
+    };
+    assert!(matches!(
+        ask(0).await.unwrap().decision,
+        PermitDecision::Granted { .. }
+    ));
+    // The second job is read at once...
+    let second = again(ask(1).await.unwrap());
+    // ...the third 100 ms after Redis decided: the tenant's line moves
+    // when it does, and the runtime is then blocked.
+    let line = quotas.keys().waiting(&tenant);
+    let before = get_blocking(&line);
+    let late_read = async {
+        let since = std::time::Instant::now();
+        loop {
+            tokio::task::yield_now().await;
+            assert!(
+                since.elapsed() < Duration::from_secs(30),
+                "the third job's decision never moved its tenant's line"
+            );
+            if get_blocking(&line) != before {
+                std::thread::sleep(Duration::from_millis(100));
+                return;
+            }
+        }
+    };
+    let (third, ()) = tokio::join!(ask(2), late_read);
+    let third = again(third.unwrap());
+    // One spacing (1 s) apart, as their places are: read 100 ms late, the
+    // third asked again 1.1 s after the second. (2 ms: the pod's clock
+    // counts whole milliseconds, and rounds each up.)
+    assert!(
+        (third - second - 1_000).abs() <= 2,
+        "asks again {} ms after the job before it, whose place is 1 s before its own",
+        third - second
+    );
+    quotas.purge_prefix().await.unwrap();
+}

@@ -758,7 +758,8 @@ struct KeyState {
 /// A tenant's slot's answer ([`RedisPermits::decide_on_tenant`]).
 struct Tenant {
     reply: Reply,
-    /// For a grant on Redis's own clock, when Redis made it on this pod's.
+    /// For a grant or a denial on Redis's own clock, when Redis made it on
+    /// this pod's.
     made: Option<UnixMillis>,
     /// For a grant of a route's send time, how far past it the tenant's
     /// slot's clock already was.
@@ -1131,8 +1132,19 @@ impl RedisPermits {
                 });
             }
             Some(1) => {
+                // As a grant's send time: the retry counts from when Redis
+                // made the decision, on this pod's clock.
+                let (retry_in, made) = match (now_micros, reply.get(7)) {
+                    (None, Some(&made)) if made > 0 => {
+                        let retry_in = at(1);
+                        let (retry_in, made) =
+                            self.on_pod_clock(made + retry_in.as_micros() as i64, retry_in);
+                        (retry_in, Some(made))
+                    }
+                    _ => (at(1), None),
+                };
                 let denied = Reply::Denied {
-                    retry_in: at(1),
+                    retry_in,
                     interval: Some(at(2)),
                     slots: reply.get(3).copied().unwrap_or(1).max(1) as u32,
                     kept: reply.get(4) == Some(&1),
@@ -1140,7 +1152,7 @@ impl RedisPermits {
                 };
                 return Ok(Tenant {
                     reply: denied,
-                    made: None,
+                    made,
                     late: Duration::ZERO,
                     weight: None,
                 });
@@ -1160,8 +1172,9 @@ impl RedisPermits {
         })
     }
 
-    /// A grant's send time (Redis's clock, microseconds) and its `delay`,
-    /// as when Redis made it and the delay from then on this pod's clock
+    /// A grant's send time, or a denial's time to ask again (Redis's clock,
+    /// microseconds), `delay` after Redis made the decision: when it made
+    /// it and the delay from then, on this pod's clock
     /// ([`send_on_pod_clock`]).
     fn on_pod_clock(&self, send: i64, delay: Duration) -> (Duration, UnixMillis) {
         let send = send - self.calls.clock_offset().unwrap_or(0);
@@ -1424,11 +1437,21 @@ struct Made {
 }
 
 impl Made {
-    /// Now, or on the wall clock `at` (a grant: when Redis made it).
+    /// Now, or `at` on the wall clock (when Redis made a decision), and as
+    /// long before now on the monotonic one: a denial's places, cached for
+    /// the tenant's next jobs, count from then too.
     fn now(at: Option<UnixMillis>) -> Self {
+        let (instant, wall) = (
+            Instant::now(),
+            UnixMillis(wall_clock_micros().div_euclid(1000)),
+        );
+        let Some(at) = at else {
+            return Self { instant, wall };
+        };
+        let ago = Duration::from_millis((wall.0 - at.0).max(0) as u64);
         Self {
-            instant: Instant::now(),
-            wall: at.unwrap_or_else(|| UnixMillis(wall_clock_micros().div_euclid(1000))),
+            instant: instant.checked_sub(ago).unwrap_or(instant),
+            wall: at,
         }
     }
 

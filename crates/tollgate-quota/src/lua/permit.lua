@@ -73,11 +73,12 @@
 --                               after `send` the call may still begin (microseconds, below); late:
 --                               how far `send` is past `route_at` already (microseconds); the
 --                               tenant's weight (thousandths)
---   {1, retry_in, interval, n, kept, share_place, share_interval}
+--   {1, retry_in, interval, n, kept, share_place, share_interval, made}
 --                               denied: n virtual slots from now + retry_in, `interval` apart;
 --                               kept = 1 when a returning job keeps (a re-spaced) place; for places
 --                               on the tenant's share of a route, the first in the route's virtual
---                               time and their spacing there
+--                               time and their spacing there (0 and 0: none); made: `now`
+--                               (microseconds since the epoch, Redis time), which retry_in counts from
 --   {2}                         duplicate: already sent
 --   {3, retry_in}               another copy holds the lease
 --   {4, retry_in}               tenant paused
@@ -787,5 +788,12 @@ local function permit(KEYS, ARGV)
 
   local reply = decide()
   count_on_route()
+  if reply[1] == 1 then
+    -- A denial's retry counts from when it was made: counted from when the
+    -- pod read it, a job held for its place asked as much later as the reply
+    -- had waited (in Redis's socket, the batch, the pod's runtime), and found
+    -- a kept place gone that it was on time for.
+    reply[6], reply[7], reply[8] = reply[6] or 0, reply[7] or 0, math.floor(now)
+  end
   return reply
 end
