@@ -1112,13 +1112,7 @@ impl RedisPermits {
                 // when the reply was read instead, a send went out as late as
                 // the reply had waited (in Redis's socket, or for the pod's
                 // runtime). With a `now` override there is no clock to map.
-                let (delay, made) = match (now_micros, reply.get(3)) {
-                    (None, Some(&send)) => {
-                        let (delay, made) = self.on_pod_clock(send, at(1));
-                        (delay, Some(made))
-                    }
-                    _ => (at(1), None),
-                };
+                let (delay, made) = self.on_pod_clock(now_micros, reply.get(3).copied(), at(1));
                 let granted = PermitDecision::Granted {
                     delay,
                     shadow,
@@ -1134,15 +1128,8 @@ impl RedisPermits {
             Some(1) => {
                 // As a grant's send time: the retry counts from when Redis
                 // made the decision, on this pod's clock.
-                let (retry_in, made) = match (now_micros, reply.get(7)) {
-                    (None, Some(&made)) if made > 0 => {
-                        let retry_in = at(1);
-                        let (retry_in, made) =
-                            self.on_pod_clock(made + retry_in.as_micros() as i64, retry_in);
-                        (retry_in, Some(made))
-                    }
-                    _ => (at(1), None),
-                };
+                let again = reply.get(7).map(|&made| made + micros(at(1)) as i64);
+                let (retry_in, made) = self.on_pod_clock(now_micros, again, at(1));
                 let denied = Reply::Denied {
                     retry_in,
                     interval: Some(at(2)),
@@ -1172,13 +1159,25 @@ impl RedisPermits {
         })
     }
 
-    /// A grant's send time, or a denial's time to ask again (Redis's clock,
-    /// microseconds), `delay` after Redis made the decision: when it made
-    /// it and the delay from then, on this pod's clock
-    /// ([`send_on_pod_clock`]).
-    fn on_pod_clock(&self, send: i64, delay: Duration) -> (Duration, UnixMillis) {
-        let send = send - self.calls.clock_offset().unwrap_or(0);
-        send_on_pod_clock(send, delay, wall_clock_micros())
+    /// A grant's send time, or a denial's time to ask again (`at`, Redis's
+    /// clock, microseconds), `delay` after Redis made the decision: the
+    /// delay from when it made it, and when that was, on this pod's clock
+    /// ([`send_on_pod_clock`]). With a `now` override, or no time in the
+    /// reply, there is no clock to map: `delay` as it is.
+    fn on_pod_clock(
+        &self,
+        now_micros: Option<u64>,
+        at: Option<i64>,
+        delay: Duration,
+    ) -> (Duration, Option<UnixMillis>) {
+        match (now_micros, at) {
+            (None, Some(at)) if at > 0 => {
+                let at = at - self.calls.clock_offset().unwrap_or(0);
+                let (delay, made) = send_on_pod_clock(at, delay, wall_clock_micros());
+                (delay, Some(made))
+            }
+            _ => (delay, None),
+        }
     }
 
     /// One completion ([`PermitStore::complete`]), batched with the others
