@@ -2651,10 +2651,40 @@ fn get_blocking(key: &str) -> String {
 /// and the slot went unused.
 #[tokio::test(flavor = "current_thread")]
 async fn a_denial_counts_from_when_redis_made_it_however_late_the_pod_reads_it() {
+    a_denial_read_late(false).await;
+}
+
+/// [`a_denial_counts_from_when_redis_made_it_however_late_the_pod_reads_it`]
+/// for a denial by a route's slot (a Redis Cluster: `route.lua`).
+#[tokio::test(flavor = "current_thread")]
+async fn a_route_slots_denial_counts_from_when_redis_made_it_however_late_the_pod_reads_it() {
+    a_denial_read_late(true).await;
+}
+
+/// Three jobs of a 1/s tenant (or, `split`, of a tenant on a 1/s route
+/// whose keys live in another slot): the first granted, the second denied
+/// and read at once, the third denied and read 100 ms after Redis decided.
+/// They must ask again a spacing apart, as their places are.
+async fn a_denial_read_late(split: bool) {
     use tollgate_core::ports::PermitStore;
-    let (permits, quotas) = stores(Quota::new("1/s".parse().unwrap(), 1).unwrap());
-    let route = Kind::default_kind();
+    let one_per_second = Quota::new("1/s".parse().unwrap(), 1).unwrap();
     let tenant = TenantId::parse("late-reader").unwrap();
+    let (permits, quotas, route, line) = if split {
+        let (permits, quotas) = split_stores(Quota::new("1000/s".parse().unwrap(), 1000).unwrap());
+        let route = Kind::parse("email").unwrap();
+        set_quota(
+            &quotas,
+            tollgate_quota::Target::Route(route.clone()),
+            one_per_second,
+        )
+        .await;
+        let line = quotas.keys().route_line(&route, &tenant);
+        (permits, quotas, route, line)
+    } else {
+        let (permits, quotas) = stores(one_per_second);
+        let line = quotas.keys().waiting(&tenant);
+        (permits, quotas, Kind::default_kind(), line)
+    };
     let ids: Vec<JobId> = (0..3)
         .map(|i| JobId::parse(format!("job-{i}")).unwrap())
         .collect();
@@ -2666,7 +2696,7 @@ async fn a_denial_counts_from_when_redis_made_it_however_late_the_pod_reads_it()
     // Asks again at: when it was made, plus its retry (the pod's clock).
     let again = |d: tollgate_core::ports::Decided| match d.decision {
         PermitDecision::Denied { retry_in, .. } => d.made_at.saturating_add(retry_in).0,
-        other => panic!("denied, not {other:?}"),
+        other => panic!("split {split}: denied, not {other:?}"),
     };
     assert!(matches!(
         ask(0).await.unwrap().decision,
@@ -2676,7 +2706,6 @@ async fn a_denial_counts_from_when_redis_made_it_however_late_the_pod_reads_it()
     let second = again(ask(1).await.unwrap());
     // ...the third 100 ms after Redis decided: the tenant's line moves
     // when it does, and the runtime is then blocked.
-    let line = quotas.keys().waiting(&tenant);
     let before = get_blocking(&line);
     let late_read = async {
         let since = std::time::Instant::now();
@@ -2684,7 +2713,7 @@ async fn a_denial_counts_from_when_redis_made_it_however_late_the_pod_reads_it()
             tokio::task::yield_now().await;
             assert!(
                 since.elapsed() < Duration::from_secs(30),
-                "the third job's decision never moved its tenant's line"
+                "split {split}: the third job's decision never moved its tenant's line"
             );
             if get_blocking(&line) != before {
                 std::thread::sleep(Duration::from_millis(100));
@@ -2699,7 +2728,7 @@ async fn a_denial_counts_from_when_redis_made_it_however_late_the_pod_reads_it()
     // counts whole milliseconds, and rounds each up.)
     assert!(
         (third - second - 1_000).abs() <= 2,
-        "asks again {} ms after the job before it, whose place is 1 s before its own",
+        "split {split}: asks again {} ms after the job before it, whose place is 1 s before its own",
         third - second
     );
     quotas.purge_prefix().await.unwrap();

@@ -962,15 +962,18 @@ impl RedisPermits {
             // Nothing reserved: ask again then (for a place on the route's
             // line, if given one). A job back for its place keeps it.
             Some(1 | 8) => {
+                // As the tenant's denials: from when Redis made it.
+                let again = reserved.get(4).map(|&made| made + micros(at(1)) as i64);
+                let (retry_in, made) = self.on_pod_clock(now_micros, again, at(1));
                 let share = SharePlaces::from_reply(reserved.get(2), reserved.get(3));
                 let denied = Reply::Denied {
-                    retry_in: at(1),
+                    retry_in,
                     interval: req.returning.and_then(|r| r.interval),
                     slots: 1,
                     kept: req.returning.is_some(),
                     share,
                 };
-                return Ok((denied, None));
+                return Ok((denied, made));
             }
             _ => return Err(QuotaError::BadReply(format!("route {reserved:?}"))),
         }

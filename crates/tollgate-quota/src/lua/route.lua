@@ -59,17 +59,17 @@ end
 --   {0, delay, at, leeway, adaptive}  reserved: the send at now + delay = at
 --                                     (microseconds); how late the call may
 --                                     begin; 1 when the route's quota adapts
---   {1, retry_in, place, step}        nothing reserved: ask again then, for
+--   {1, retry_in, place, step, made}  nothing reserved: ask again then, for
 --                                     that place on the route (virtual; 0:
 --                                     none), its tenant's places `step` apart
---                                     (virtual)
+--                                     (virtual); `retry_in` counts from
+--                                     `made`, this decision's time (µs)
 --   {7}                               the route has no quota; nothing reserved
---   {8, retry_in}                     no quota, but an account-wide 429 holds
+--   {8, retry_in, 0, 0, made}         no quota, but an account-wide 429 holds
 --                                     the route until then
-local function route_reserve(k, a)
+local function reserve(k, a, now)
   local quota_key, tat_key, holes_key, penalty_key, adapt_key = k[1], k[2], k[3], k[4], k[5]
   local line_key, active_key, weights_key = k[6], k[7], k[8]
-  local now = now_us(a[5])
   local pacing = tonumber(a[3])
   local penalty = tonumber(redis.call('GET', penalty_key)) or 0
   local b, adaptive = route_bucket(quota_key, adapt_key, pacing, now)
@@ -194,6 +194,18 @@ local function route_reserve(k, a)
   local adapts = 0
   if adaptive then adapts = 1 end
   return {0, earliest - now, earliest, math.floor(bucket_leeway(b, pacing)), adapts}
+end
+
+-- `reserve`, its denials stamped with when they were made: the pod counts
+-- a denial's wait from then, as it does a grant's send time, not from when
+-- it read the reply.
+local function route_reserve(k, a)
+  local now = now_us(a[5])
+  local reply = reserve(k, a, now)
+  if reply[1] == 1 or reply[1] == 8 then
+    reply[3], reply[4], reply[5] = reply[3] or 0, reply[4] or 0, math.floor(now)
+  end
+  return reply
 end
 
 -- Gives back a send time reserved and not used (the tenant refused it, or
