@@ -372,7 +372,7 @@ async fn simulate_leeways(
                 let req = PermitRequest {
                     priority: jobs[i].priority,
                     returning: place.map(|(left, interval, share_place)| Returning {
-                        remaining: Duration::from_micros(left),
+                        until: until_millis(T0 + at + left),
                         interval,
                         share_place,
                     }),
@@ -415,6 +415,14 @@ async fn simulate_leeways(
         }
     }
     sends
+}
+
+/// A job's time to come back (µs on a test's clock) as the job carries it:
+/// whole milliseconds, rounded down. A simulated job's time is its ask's
+/// plus what was left; rounded up, a job asking a few µs late for its
+/// place found it a millisecond ahead again on every ask.
+fn until_millis(micros: u64) -> tollgate_core::UnixMillis {
+    tollgate_core::UnixMillis((micros / 1_000) as i64)
 }
 
 fn runtime() -> tokio::runtime::Runtime {
@@ -1025,7 +1033,7 @@ fn a_place_from_the_share_line_is_not_respaced_as_the_tenants() {
         ] {
             let req = PermitRequest {
                 returning: Some(tollgate_core::ports::Returning {
-                    remaining: Duration::from_millis(10),
+                    until: until_millis(now + 10_000),
                     interval: Some(share_spacing),
                     share_place,
                 }),
@@ -1070,7 +1078,7 @@ fn a_job_back_from_a_hop_keeps_its_place_right_after_the_quota_was_set() {
         // 10/s with no pacing margin: places 100 ms apart; one at 200 ms.
         let back = |i: usize, interval_ms: u64| PermitRequest {
             returning: Some(tollgate_core::ports::Returning {
-                remaining: Duration::from_secs(3),
+                until: until_millis(now + 3_000_000),
                 interval: Some(Duration::from_millis(interval_ms)),
                 share_place: None,
             }),
@@ -2659,6 +2667,86 @@ async fn a_denial_counts_from_when_redis_made_it_however_late_the_pod_reads_it()
 #[tokio::test(flavor = "current_thread")]
 async fn a_route_slots_denial_counts_from_when_redis_made_it_however_late_the_pod_reads_it() {
     a_denial_read_late(true).await;
+}
+
+/// A job back from a hop brings its time to come back, and keeps it
+/// exactly, however many hops it makes. It used to bring the time left,
+/// which the script counted from its own clock: each hop added the
+/// request's way to Redis (the batch, the socket), and a backlog's later
+/// jobs, several hops in, came back tens of ms past their places, which
+/// the route had kept for them only a few ms.
+#[tokio::test(flavor = "current_thread")]
+async fn a_job_back_from_hops_keeps_its_time_to_the_millisecond() {
+    a_place_kept_over_hops(false).await;
+}
+
+/// [`a_job_back_from_hops_keeps_its_time_to_the_millisecond`] for a place
+/// kept by a route's slot (a Redis Cluster: `route.lua`).
+#[tokio::test(flavor = "current_thread")]
+async fn a_job_back_from_hops_keeps_its_time_on_a_route_slot_too() {
+    a_place_kept_over_hops(true).await;
+}
+
+/// A 10/s tenant (with `split`, on a 100/s route whose keys live in
+/// another slot, which the job asks first): one job granted, five denied
+/// places in the tenant's line; the fifth comes back ten times, each time
+/// well before its place.
+async fn a_place_kept_over_hops(split: bool) {
+    use tollgate_core::ports::{PermitStore, Returning};
+    let ten_per_second = Quota::new("10/s".parse().unwrap(), 1).unwrap();
+    let tenant = TenantId::parse("hopper").unwrap();
+    let (permits, quotas, route) = if split {
+        let (permits, quotas) = split_stores(ten_per_second);
+        let route = Kind::parse("email").unwrap();
+        set_quota(
+            &quotas,
+            tollgate_quota::Target::Route(route.clone()),
+            Quota::new("100/s".parse().unwrap(), 1).unwrap(),
+        )
+        .await;
+        (permits, quotas, route)
+    } else {
+        let (permits, quotas) = stores(ten_per_second);
+        (permits, quotas, Kind::default_kind())
+    };
+    let (ids, keys) = jobs(0..6);
+    let mut last = None;
+    for i in 0..6 {
+        last = Some(
+            permits
+                .acquire(request(&tenant, &route, &ids[i], &keys[i]))
+                .await
+                .unwrap(),
+        );
+    }
+    let told = |d: tollgate_core::ports::Decided| match d.decision {
+        PermitDecision::Denied {
+            retry_in,
+            interval,
+            share_place,
+            ..
+        } => (d.made_at.saturating_add(retry_in), interval, share_place),
+        other => panic!("split {split}: denied, not {other:?}"),
+    };
+    let (until, interval, share_place) = told(last.unwrap());
+    for hop in 1..=10 {
+        let back = PermitRequest {
+            returning: Some(Returning {
+                until,
+                interval,
+                share_place,
+            }),
+            ..request(&tenant, &route, &ids[5], &keys[5])
+        };
+        let (again, ..) = told(permits.acquire(back).await.unwrap());
+        assert_eq!(
+            again,
+            until,
+            "split {split}: back from hop {hop}, told to come back {} ms later than it was",
+            again.0 - until.0
+        );
+    }
+    quotas.purge_prefix().await.unwrap();
 }
 
 /// Three jobs of a 1/s tenant (or, `split`, of a tenant on a 1/s route

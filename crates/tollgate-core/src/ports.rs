@@ -38,8 +38,12 @@ pub struct PermitRequest<'a> {
 /// A job back from (a hop of) a quota wait.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Returning {
-    /// Time still left until its place in line.
-    pub remaining: std::time::Duration,
+    /// When it was told to come back for its place in line, on the job's
+    /// clock. A time, not the time left: the store reads the time left from
+    /// its own clock, so a time left grew by the request's way there (the
+    /// batch, the socket) on every hop, and a backlog's last jobs came back
+    /// tens of ms past their places.
+    pub until: UnixMillis,
     /// Spacing its place was computed with.
     pub interval: Option<std::time::Duration>,
     /// Its place on its tenant's share of a route, as the store gave it.

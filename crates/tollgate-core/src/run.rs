@@ -268,15 +268,15 @@ impl JobRun {
     }
 
     /// When the job comes back from a quota wait (to its place in line, or
-    /// from a hop of it): the time still left until its place, and the
-    /// spacing the place was computed with. The permit store must decide
-    /// such a job itself, never from a pod's local cache.
-    pub fn returning(&self, now: UnixMillis) -> Option<crate::ports::Returning> {
+    /// from a hop of it): when it was told to come back, and the spacing
+    /// its place was computed with. The permit store must decide such a job
+    /// itself, never from a pod's local cache.
+    pub fn returning(&self) -> Option<crate::ports::Returning> {
         if self.progress.park_reason != Some(ParkReason::Quota) {
             return None;
         }
         Some(crate::ports::Returning {
-            remaining: now.until(self.progress.not_before?),
+            until: self.progress.not_before?,
             interval: self.progress.slot_interval,
             share_place: self.progress.share_place,
         })
@@ -911,10 +911,7 @@ mod tests {
             Some(Duration::from_millis(100))
         );
         // A place on a share of a route goes with the job, as it came.
-        assert_eq!(
-            back.returning(at(6_000)).and_then(|r| r.share_place),
-            Some(place)
-        );
+        assert_eq!(back.returning().and_then(|r| r.share_place), Some(place));
         assert_eq!(
             back.next(&p, at(6_600)),
             Action::Hold {
@@ -1030,9 +1027,9 @@ mod tests {
         ));
         let mut back = JobRun::new(&job(""), run.progress().clone(), at(5_003));
         assert_eq!(
-            back.returning(at(5_003)),
+            back.returning(),
             Some(crate::ports::Returning {
-                remaining: Duration::from_millis(34_997),
+                until: at(40_000),
                 interval: Some(Duration::from_millis(200)),
                 share_place: None,
             })

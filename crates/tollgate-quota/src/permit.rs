@@ -175,7 +175,7 @@ struct PermitArgs<'a> {
     denial_slots: u32,
     concurrency_retry_us: u64,
     now_override_us: Option<u64>,
-    returning_remaining_us: Option<u64>,
+    returning_until_us: Option<u64>,
     returning_interval_us: Option<u64>,
     seen_cancel_ttl_ms: u64,
     reserve_us: u64,
@@ -200,7 +200,7 @@ impl PermitArgs<'_> {
         "denial_slots",
         "concurrency_retry_us",
         "now_override_us",
-        "returning_remaining_us",
+        "returning_until_us",
         "returning_interval_us",
         "seen_cancel_ttl_ms",
         "reserve_us",
@@ -227,7 +227,7 @@ impl PermitArgs<'_> {
             self.denial_slots.to_string(),
             self.concurrency_retry_us.to_string(),
             optional(self.now_override_us),
-            optional(self.returning_remaining_us),
+            optional(self.returning_until_us),
             optional(self.returning_interval_us),
             self.seen_cancel_ttl_ms.to_string(),
             self.reserve_us.to_string(),
@@ -907,7 +907,9 @@ impl RedisPermits {
         // back the window before it (the tenant's script says so): the
         // route's time is sought from its place on. A job back for a place
         // on the route's line brings it. A fresh job asks from now.
-        let not_before = req.returning.map_or(0, |r| micros(r.remaining) + window);
+        let not_before = req
+            .returning
+            .map_or(0, |r| self.on_redis_clock(now_micros, r.until) + window);
         let place = req.returning.and_then(|r| r.share_place);
         let pacing = (1.0 + s.pacing_margin).to_string();
         let now_arg = now_micros.map(|n| n.to_string()).unwrap_or_default();
@@ -964,7 +966,7 @@ impl RedisPermits {
             Some(1 | 8) => {
                 // As the tenant's denials: from when Redis made it.
                 let again = reserved.get(4).map(|&made| made + micros(at(1)) as i64);
-                let (retry_in, made) = self.on_pod_clock(now_micros, again, at(1));
+                let (retry_in, made) = self.on_pod_clock(now_micros, again, at(1), Due::ComeBack);
                 let share = SharePlaces::from_reply(reserved.get(2), reserved.get(3));
                 let denied = Reply::Denied {
                     retry_in,
@@ -1079,7 +1081,9 @@ impl RedisPermits {
             denial_slots: slots.max(1),
             concurrency_retry_us: micros(s.concurrency_retry),
             now_override_us: now_micros,
-            returning_remaining_us: req.returning.map(|r| micros(r.remaining)),
+            returning_until_us: req
+                .returning
+                .map(|r| self.on_redis_clock(now_micros, r.until)),
             returning_interval_us: req.returning.and_then(|r| r.interval).map(micros),
             seen_cancel_ttl_ms: s.sent_ttl.as_millis() as u64,
             reserve_us: micros(req.reserve_within.unwrap_or(s.horizon).min(s.horizon)),
@@ -1115,7 +1119,8 @@ impl RedisPermits {
                 // when the reply was read instead, a send went out as late as
                 // the reply had waited (in Redis's socket, or for the pod's
                 // runtime). With a `now` override there is no clock to map.
-                let (delay, made) = self.on_pod_clock(now_micros, reply.get(3).copied(), at(1));
+                let (delay, made) =
+                    self.on_pod_clock(now_micros, reply.get(3).copied(), at(1), Due::Send);
                 let granted = PermitDecision::Granted {
                     delay,
                     shadow,
@@ -1132,7 +1137,7 @@ impl RedisPermits {
                 // As a grant's send time: the retry counts from when Redis
                 // made the decision, on this pod's clock.
                 let again = reply.get(7).map(|&made| made + micros(at(1)) as i64);
-                let (retry_in, made) = self.on_pod_clock(now_micros, again, at(1));
+                let (retry_in, made) = self.on_pod_clock(now_micros, again, at(1), Due::ComeBack);
                 let denied = Reply::Denied {
                     retry_in,
                     interval: Some(at(2)),
@@ -1165,22 +1170,37 @@ impl RedisPermits {
     /// A grant's send time, or a denial's time to ask again (`at`, Redis's
     /// clock, microseconds), `delay` after Redis made the decision: the
     /// delay from when it made it, and when that was, on this pod's clock
-    /// ([`send_on_pod_clock`]). With a `now` override, or no time in the
+    /// ([`due_on_pod_clock`]). With a `now` override, or no time in the
     /// reply, there is no clock to map: `delay` as it is.
     fn on_pod_clock(
         &self,
         now_micros: Option<u64>,
         at: Option<i64>,
         delay: Duration,
+        due: Due,
     ) -> (Duration, Option<UnixMillis>) {
         match (now_micros, at) {
             (None, Some(at)) if at > 0 => {
                 let at = at - self.calls.clock_offset().unwrap_or(0);
-                let (delay, made) = send_on_pod_clock(at, delay, wall_clock_micros());
+                let (delay, made) = due_on_pod_clock(at, delay, wall_clock_micros(), due);
                 (delay, Some(made))
             }
             _ => (delay, None),
         }
+    }
+
+    /// A job's time to come back (`until`, the job's clock) on Redis's, in
+    /// microseconds: back by the offset [`Self::on_pod_clock`] mapped it
+    /// with, so a place comes back as it was given, however many hops it
+    /// makes and however long each request takes to reach Redis. With a
+    /// `now` override, on the override's clock.
+    fn on_redis_clock(&self, now_micros: Option<u64>, until: UnixMillis) -> u64 {
+        let at = until.0.saturating_mul(1000);
+        let offset = match now_micros {
+            Some(_) => 0,
+            None => self.calls.clock_offset().unwrap_or(0),
+        };
+        at.saturating_add(offset).max(0) as u64
     }
 
     /// One completion ([`PermitStore::complete`]), batched with the others
@@ -1400,20 +1420,34 @@ impl RedisPermits {
     }
 }
 
-/// A grant's send time `send` (microseconds on this pod's clock), chosen
-/// `delay` after Redis made the decision, read at `now`: the delay from
-/// when it was made, in the whole milliseconds the job's clock counts, and
-/// when it was made. A send time still ahead is rounded up to the
-/// millisecond, so a job never goes before it; one already past (every
-/// grant for "now", read a moment after it was made) is due at once, not
-/// rounded up into a wait of up to 2 ms (the timer's granularity) that
-/// every job sent at once paid before.
-fn send_on_pod_clock(send: i64, delay: Duration, now: i64) -> (Duration, UnixMillis) {
-    let made_ms = (send - delay.as_micros() as i64).div_euclid(1000);
-    let slot_ms = if send <= now {
-        send.div_euclid(1000)
-    } else {
-        (send + 999).div_euclid(1000)
+/// What a time a decision names is for, which decides how it rounds to
+/// the whole milliseconds the job's clock counts.
+#[derive(Clone, Copy, Debug)]
+enum Due {
+    /// A grant's send time. One still ahead is rounded up, so a job never
+    /// goes before it; one already past (every grant for "now", read a
+    /// moment after it was made) is due at once, not rounded up into a
+    /// wait of up to 2 ms (the timer's granularity) that every job sent at
+    /// once paid before.
+    Send,
+    /// A denial's time to come back, to the nearest millisecond. The job
+    /// brings it back ([`RedisPermits::on_redis_clock`]), each hop, through
+    /// a clock offset that moves by fractions of a millisecond as the pod
+    /// learns it: rounded up, every such move one way added a millisecond
+    /// to the job's place.
+    ComeBack,
+}
+
+/// A decision's time `at` (microseconds on this pod's clock), `delay`
+/// after Redis made the decision, read at `now`: the delay from when it was
+/// made, in the whole milliseconds the job's clock counts ([`Due`]), and
+/// when it was made.
+fn due_on_pod_clock(at: i64, delay: Duration, now: i64, due: Due) -> (Duration, UnixMillis) {
+    let made_ms = (at - delay.as_micros() as i64).div_euclid(1000);
+    let slot_ms = match due {
+        Due::ComeBack => (at + 500).div_euclid(1000),
+        Due::Send if at <= now => at.div_euclid(1000),
+        Due::Send => (at + 999).div_euclid(1000),
     };
     (
         Duration::from_millis((slot_ms - made_ms).max(0) as u64),
@@ -1649,7 +1683,7 @@ mod send_time {
     #[test]
     fn a_grant_for_now_read_after_it_was_made_is_due_at_once() {
         // Made and meant for 1,000.400 ms; read 300 µs later.
-        let (delay, made) = send_on_pod_clock(1_000_400, Duration::ZERO, 1_000_700);
+        let (delay, made) = due_on_pod_clock(1_000_400, Duration::ZERO, 1_000_700, Due::Send);
         assert_eq!((delay, made), (Duration::ZERO, UnixMillis(1_000)));
     }
 
@@ -1657,11 +1691,26 @@ mod send_time {
     fn a_send_time_still_ahead_is_never_rounded_down() {
         // Made at 1,000.400 ms for 1,003.400 ms, read at 1,000.700 ms: the
         // job waits until 1,004 ms, never goes at 1,003.
-        let (delay, made) = send_on_pod_clock(1_003_400, Duration::from_millis(3), 1_000_700);
+        let (delay, made) =
+            due_on_pod_clock(1_003_400, Duration::from_millis(3), 1_000_700, Due::Send);
         assert_eq!((delay, made), (Duration::from_millis(4), UnixMillis(1_000)));
         // Read after it passed: due at once, from its own millisecond.
-        let (delay, _) = send_on_pod_clock(1_003_400, Duration::from_millis(3), 1_003_500);
+        let (delay, _) =
+            due_on_pod_clock(1_003_400, Duration::from_millis(3), 1_003_500, Due::Send);
         assert_eq!(delay, Duration::from_millis(3));
+    }
+
+    #[test]
+    fn a_time_to_come_back_survives_a_small_move_of_the_clock_offset() {
+        // Told to come back at 1,003 ms on the job's clock, it brings that
+        // back; Redis's reply names it again, mapped through an offset that
+        // moved 200 µs either way: the job's clock reads 1,003 ms again
+        // (rounded up, 1,003.2 ms read 1,004).
+        for at in [1_002_800, 1_003_000, 1_003_200] {
+            let delay = Duration::from_micros((at - 1_000_400) as u64);
+            let (delay, made) = due_on_pod_clock(at, delay, 1_000_700, Due::ComeBack);
+            assert_eq!(made.0 + delay.as_millis() as i64, 1_003, "{at}");
+        }
     }
 }
 

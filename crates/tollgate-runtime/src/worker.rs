@@ -982,7 +982,7 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
                         // it could not use.
                         ceiling.until_ready().await;
                     }
-                    request.returning = run.returning(now);
+                    request.returning = run.returning();
                     // A reservation is held until its slot: when the tenant
                     // has no hold room left here, take only one within the
                     // smallest tier (a wait that could not be parked

@@ -49,7 +49,8 @@
 -- ARGV[9]  denial_slots               virtual slots handed out per denial (the pod uses the rest locally)
 -- ARGV[10] concurrency_retry_us       retry interval when the tenant is at its concurrency limit, microseconds
 -- ARGV[11] now_override_us            "now" override in microseconds, for tests only ("" = Redis TIME)
--- ARGV[12] returning_remaining_us     a job back from a quota wait: microseconds still left to its place ("" = fresh job)
+-- ARGV[12] returning_until_us         a job back from a quota wait: when it was told to come back, on this
+--                                     clock, microseconds ("" = fresh job)
 -- ARGV[13] returning_interval_us      the spacing its place was computed with, microseconds ("" = unknown)
 -- ARGV[14] seen_cancel_ttl_ms         how long a seen cancellation is kept for other copies, milliseconds
 -- ARGV[15] reserve_us                 how far ahead this job may be reserved (<= horizon), microseconds
@@ -119,7 +120,7 @@ local function permit(KEYS, ARGV)
   local denial_slots = ARGV[9]
   local concurrency_retry_us = ARGV[10]
   local now_override_us = ARGV[11]
-  local returning_remaining_us = ARGV[12]
+  local returning_until_us = ARGV[12]
   local returning_interval_us = ARGV[13]
   local seen_cancel_ttl_ms = ARGV[14]
   local reserve_us = ARGV[15]
@@ -530,7 +531,13 @@ local function permit(KEYS, ARGV)
     -- The tenant's lines, in the order they are served: high, normal, low.
     local lines = {tenant_waiting_high_key, tenant_waiting_key, tenant_waiting_low_key}
     local rank = ({high = 1, normal = 2, low = 3})[priority] or 2
-    local remaining = tonumber(returning_remaining_us)
+    -- A job back from a quota wait: the time still left until it was told to
+    -- come back. It brings that time, not the time left: counted by the pod,
+    -- the time left lost the request's way here on every hop, and a
+    -- backlog's later jobs, after several hops, came back tens of ms past
+    -- their places (the places the route kept for them had gone).
+    local remaining = tonumber(returning_until_us)
+    if remaining then remaining = math.max(remaining - now, 0) end
 
     -- Places already handed out beyond a bucket's TAT are jobs parked for them.
     -- A fresh job waits behind the places of its own class and of the classes

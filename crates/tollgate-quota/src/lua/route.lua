@@ -40,8 +40,8 @@ end
 -- Keys (8): route quota, route TAT, route holes, route penalty, route
 -- adapt, the tenant's line on the route (its next free place, in the
 -- route's virtual time), the route's tenants with work, their weights.
--- Arguments (9): not_before_in_us (from now: the tenant's own place, for a
--- job back from the tenant's line), window_us, pacing factor, horizon_us,
+-- Arguments (9): not_before_us (the tenant's own place, on this clock, for
+-- a job back from the tenant's line; 0 = none), window_us, pacing factor, horizon_us,
 -- "now" override in microseconds (tests only; "" = Redis TIME), the job's
 -- place on its tenant's line on the route (virtual; "" = none), the
 -- tenant's name, its weight as its slot last told the pod ("" = 1), the
@@ -101,7 +101,7 @@ local function reserve(k, a, now)
   -- A job back for its place on its tenant's line (`not_before`), not for
   -- one on the route's.
   local returning = not place and tonumber(a[1]) > 0
-  local start = math.max(place or (now + tonumber(a[1])), now, penalty)
+  local start = math.max(place or tonumber(a[1]), now, penalty)
 
   -- The tenant counts among the route's tenants with work for a spacing
   -- after each call, and while it has places ahead.
