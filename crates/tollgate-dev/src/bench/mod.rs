@@ -67,7 +67,8 @@ pub struct BenchArgs {
     /// pipeline_p4, pipeline_p16, pipeline_p64, pipeline_p256; or of the
     /// sweep: sweep_c4, sweep_c16, sweep_c64, sweep_c256, sweep_p4, or one
     /// part of a point: sweep_c64.noisy_neighbour, .parks, .scheduled,
-    /// .adherence, .many_tenants, .weighted_share, .weight_raised, .priority,
+    /// .adherence, .many_tenants, .weighted_share, .weight_raised,
+    /// .route_raised, .priority,
     /// .quota_below_share, .shared_account; or one quota of the adaptive
     /// comparison:
     /// adaptive_learned, adaptive_fixed_20, adaptive_fixed_8; or one peer:

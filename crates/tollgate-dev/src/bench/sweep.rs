@@ -41,7 +41,7 @@ const SWEEP: [(u16, Option<u16>, &str, &str); 5] = [
 const WORKERS: usize = 4;
 
 /// The parts of each point, as `--only sweep_c64.<part>` names them.
-const PARTS: [&str; 10] = [
+const PARTS: [&str; 11] = [
     "noisy_neighbour",
     "parks",
     "scheduled",
@@ -49,6 +49,7 @@ const PARTS: [&str; 10] = [
     "many_tenants",
     "weighted_share",
     "weight_raised",
+    "route_raised",
     "priority",
     "quota_below_share",
     "shared_account",
@@ -109,6 +110,12 @@ pub async fn run(base: &Config, wanted: impl Fn(&str) -> bool) -> anyhow::Result
                      on one route of 30/s burst 1 (their own quotas 100/s); one's weight set to \
                      {RAISED_TO} {RAISE_AFTER:?} after both backlogs are queued"
                 ),
+                "route_raised": format!(
+                    "{WORKERS} worker processes; 2 tenants with {SHARE_BACKLOG} jobs each on one route \
+                     of {ROUTE_BEFORE}/s burst 1 (their own quotas 100/s), raised to {ROUTE_AFTER}/s \
+                     {RAISE_AFTER:?} after both backlogs are queued; the provider allows {ROUTE_AFTER} \
+                     in any sliding second"
+                ),
                 "priority": format!(
                     "{WORKERS} worker processes; one tenant at 10/s burst 1: {LOW_BACKLOG} low jobs, \
                      then {URGENT} normal and {URGENT} high {URGENT_AFTER:?} later"
@@ -143,6 +150,7 @@ async fn run_part(name: &str, base: &Config, setting: Setting) -> anyhow::Result
         "many_tenants" => many_tenants(base, setting).await,
         "weighted_share" => weighted_share(base, setting).await,
         "weight_raised" => weight_raised(base, setting).await,
+        "route_raised" => route_raised(base, setting).await,
         "priority" => priority(base, setting).await,
         "quota_below_share" => quota_below_share(base, setting).await,
         "shared_account" => shared_account(base, setting).await,
@@ -796,40 +804,57 @@ async fn weighted_share(base: &Config, setting: Setting) -> anyhow::Result<Vec<F
 const RAISED_TO: u32 = 5;
 const RAISE_AFTER: Duration = Duration::from_secs(5);
 
+/// The two tenants of the raised parts, `RAISED` the one a weight raise
+/// is for.
+const RAISED: [&str; 2] = ["raised", "other"];
+
+/// Two tenants of weight 1 (their own quotas 100/s) share a route of
+/// `route`, each with a backlog of [`SHARE_BACKLOG`], on a provider that
+/// allows `account` in any second; `change` is made to `target`
+/// [`RAISE_AFTER`] after the backlogs are queued, while most of them are
+/// parked for their places. What the provider received, when the backlogs
+/// were queued, and when the change was made.
+async fn changed_live(
+    base: &Config,
+    setting: Setting,
+    (route, account): (&str, u32),
+    target: tollgate_quota::Target,
+    change: tollgate_quota::Change,
+) -> anyhow::Result<(Vec<Received>, Instant, Instant)> {
+    const LIMIT: Duration = Duration::from_secs(90);
+    let rig = Rig::new(base, strict_account(account)).await?;
+    set_route_quota(&rig, route).await?;
+    for name in RAISED {
+        rig.set_quota(name, "100/s", 1).await?;
+    }
+    let mut rig = rig;
+    spawn_workers(&mut rig, setting, WORKERS).await?;
+    for name in RAISED {
+        rig.publish(name, SHARE_BACKLOG, None, "{}").await?;
+    }
+    let started = Instant::now();
+    tokio::time::sleep(RAISE_AFTER).await;
+    rig.store.apply(&target, change, &bench_actor()).await?;
+    let changed_at = Instant::now();
+    let received = wait_for_sends(&rig, 2 * SHARE_BACKLOG as usize, started, LIMIT).await;
+    rig.cleanup().await?;
+    Ok((received, started, changed_at))
+}
+
 /// Two tenants of weight 1 share a 30/s route, each with a backlog; one's
 /// weight is raised live while most of both backlogs are parked for their
 /// places. The route should stay full, the raised tenant get its new share
 /// from about a second after the raise, and the other's backlog drain at
 /// the whole route once the raised one is done.
 async fn weight_raised(base: &Config, setting: Setting) -> anyhow::Result<Vec<Figure>> {
-    const LIMIT: Duration = Duration::from_secs(90);
     progress(&format!(
         "sweep {setting}: a weight raised from 1 to {RAISED_TO} live on one 30/s route"
     ));
-    let rig = Rig::new(base, strict_account(30)).await?;
-    set_route_quota(&rig, "30/s").await?;
-    let names = ["raised", "other"];
-    for name in names {
-        rig.set_quota(name, "100/s", 1).await?;
-    }
-    let mut rig = rig;
-    spawn_workers(&mut rig, setting, WORKERS).await?;
-    for name in names {
-        rig.publish(name, SHARE_BACKLOG, None, "{}").await?;
-    }
-    let started = Instant::now();
-    tokio::time::sleep(RAISE_AFTER).await;
+    let names = RAISED;
     let target = tollgate_quota::Target::Tenant(tollgate_core::TenantId::parse(names[0])?);
-    rig.store
-        .apply(
-            &target,
-            tollgate_quota::Change::SetWeight(RAISED_TO),
-            &bench_actor(),
-        )
-        .await?;
-    let raised_at = Instant::now();
-    let received = wait_for_sends(&rig, 2 * SHARE_BACKLOG as usize, started, LIMIT).await;
-    rig.cleanup().await?;
+    let change = tollgate_quota::Change::SetWeight(RAISED_TO);
+    let (received, started, raised_at) =
+        changed_live(base, setting, ("30/s", 30), target, change).await?;
     let sent: Vec<&Received> = received.iter().filter(|r| r.status == 200).collect();
     // From a second after the raise (every parked job has asked once) to
     // the raised tenant's last send.
@@ -867,6 +892,88 @@ async fn weight_raised(base: &Config, setting: Setting) -> anyhow::Result<Vec<Fi
             "weight raised: longest gap between two sends of the route",
             "weight raised: both backlogs drained ÷ the route's ideal",
             "weight raised: 429s",
+        ],
+        "< 1",
+        &received,
+        started,
+        ideal,
+    ))
+    .collect())
+}
+
+/// The route-raised part: the route's quota before and after.
+const ROUTE_BEFORE: u32 = 15;
+const ROUTE_AFTER: u32 = 45;
+
+/// Two tenants with backlogs share a route of 15/s, raised live to 45/s
+/// while most of both backlogs are parked for places spaced for 15/s. The
+/// route should run at its new rate within about a second (the parked jobs
+/// hop back at least every `quota_recheck_ms`), never beyond it.
+async fn route_raised(base: &Config, setting: Setting) -> anyhow::Result<Vec<Figure>> {
+    progress(&format!(
+        "sweep {setting}: a route raised from {ROUTE_BEFORE}/s to {ROUTE_AFTER}/s live"
+    ));
+    let target = tollgate_quota::Target::Route(tollgate_core::Kind::default_kind());
+    let change = tollgate_quota::Change::SetQuota {
+        quota: tollgate_core::Quota::new(format!("{ROUTE_AFTER}/s").parse()?, 1)?,
+        concurrency: None,
+        weight: None,
+        adaptive: None,
+    };
+    let before = format!("{ROUTE_BEFORE}/s");
+    let (received, started, raised_at) =
+        changed_live(base, setting, (&before, ROUTE_AFTER), target, change).await?;
+    let mut sent: Vec<Instant> = received
+        .iter()
+        .filter(|r| r.status == 200 && r.instant >= raised_at)
+        .map(|r| r.instant)
+        .collect();
+    sent.sort_unstable();
+    // The first second after the raise that holds 0.9 of the new rate.
+    let window = (f64::from(ROUTE_AFTER) * 0.9).ceil() as usize;
+    let reached = sent
+        .windows(window)
+        .find(|w| w[window - 1] - w[0] <= Duration::from_secs(1))
+        .map_or(f64::INFINITY, |w| (w[window - 1] - raised_at).as_secs_f64());
+    // From a second after the raise (every parked job has asked once) to
+    // the first tenant's last send (the other alone may have fewer jobs
+    // left than the route has room for).
+    let from = raised_at + Duration::from_secs(1);
+    let until = RAISED
+        .iter()
+        .filter_map(|name| times(&received, name).into_iter().max())
+        .min()
+        .unwrap_or(from);
+    let span = sent.iter().filter(|&&t| t >= from && t <= until).count();
+    // The route's rates before and after, with the 2 % pacing margin.
+    let ahead = RAISE_AFTER.as_secs_f64();
+    let before_raise = f64::from(ROUTE_BEFORE) * ahead / 1.02;
+    let ideal =
+        ahead + (2.0 * f64::from(SHARE_BACKLOG) - before_raise) / f64::from(ROUTE_AFTER) * 1.02;
+    Ok(vec![
+        Figure::new(
+            "route raised: seconds from the raise until a second holds 0.9 of the new rate",
+            "s",
+            vec![reached],
+        ),
+        Figure::new(
+            "route raised: route use from 1 s after the raise to the first tenant's last send",
+            "fraction of 45/s",
+            vec![
+                span as f64
+                    / (until.saturating_duration_since(from).as_secs_f64()
+                        * f64::from(ROUTE_AFTER))
+                    .max(1e-9),
+            ],
+        )
+        .target(">= 0.97"),
+    ]
+    .into_iter()
+    .chain(drain_figures(
+        [
+            "route raised: longest gap between two sends of the route",
+            "route raised: both backlogs drained ÷ the ideal (5 s at 15/s, then 45/s)",
+            "route raised: 429s",
         ],
         "< 1",
         &received,
