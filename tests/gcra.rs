@@ -2443,6 +2443,79 @@ fn a_resumed_tenant_sends_at_once_not_behind_the_places_its_pause_emptied() {
     });
 }
 
+/// Alone on an idle route, a job back early for its place on its tenant's
+/// share goes at once: the place orders it among nobody. While another
+/// tenant still has work it waits for its place, idle or not (the route's
+/// next slots may be the other's places, their jobs about to come back).
+/// A route raised live under two backlogs sent one job, parked before the
+/// raise in a long tier, 11-17 s after all the others: it came back to an
+/// idle route and was told to wait for a share place still far out.
+#[test]
+fn a_job_alone_on_an_idle_route_goes_whatever_its_share_place() {
+    use tollgate_core::ports::Returning;
+    for split in [false, true] {
+        runtime().block_on(async {
+            let (permits, quotas, _) = wide_tenants_on_a_30_per_second_route(split).await;
+            let route = route_of(&quotas, "10/s").await;
+            let (a, b) = (TenantId::parse("a").unwrap(), TenantId::parse("b").unwrap());
+            // a's 60 jobs and b's 5 at once: places on their shares of the
+            // route, a's last some seconds out.
+            let (ids, keys) = jobs(0..65);
+            let mut last = None;
+            for i in 0..65 {
+                let tenant = if i < 60 { &a } else { &b };
+                let req = request(tenant, &route, &ids[i], &keys[i]);
+                let reply = permits.decide(req, 1, Some(T0 + i as u64)).await.unwrap();
+                if i == 59 {
+                    last = Some(reply);
+                }
+            }
+            let back = |now: u64, reply: Reply| match reply {
+                Reply::Denied {
+                    retry_in,
+                    interval,
+                    share: Some(share),
+                    ..
+                } => {
+                    assert!(
+                        now + (retry_in.as_micros() as u64) > T0 + 3_000_000,
+                        "split {split}: a's last place is {retry_in:?} out"
+                    );
+                    PermitRequest {
+                        returning: Some(Returning {
+                            until: until_millis(now + retry_in.as_micros() as u64),
+                            interval,
+                            share_place: Some(share.first_place()),
+                        }),
+                        ..request(&a, &route, &ids[59], &keys[59])
+                    }
+                }
+                other => panic!("split {split}: a place on a's share, not {other:?}"),
+            };
+            // Back early while b has work: it keeps waiting.
+            let early = T0 + 300_000;
+            let shared = permits
+                .decide(back(T0 + 59, last.unwrap()), 1, Some(early))
+                .await
+                .unwrap();
+            assert!(
+                matches!(shared, Reply::Denied { .. }),
+                "split {split}: went before its place beside b: {shared:?}"
+            );
+            // Back early again once b is done, the route idle: it goes.
+            let alone = permits
+                .decide(back(early, shared), 1, Some(T0 + 3_000_000))
+                .await
+                .unwrap();
+            assert!(
+                matches!(alone, Reply::Decision(PermitDecision::Granted { .. })),
+                "split {split}: alone on an idle route, told {alone:?}"
+            );
+            quotas.purge_prefix().await.unwrap();
+        });
+    }
+}
+
 /// The route's set of tenants with work expired while its weights lived on
 /// (each key's TTL is only ever raised, and a set emptied and made again
 /// starts shorter): the weights of tenants long gone stayed in the sum,

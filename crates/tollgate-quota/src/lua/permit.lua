@@ -340,7 +340,7 @@ local function permit(KEYS, ARGV)
       local raw = math.max(w, 1)
       held_below = tenant[1] > 1.01 * route[1] * (math.max(others, count) + raw) / raw
     end
-    return {math.ceil(clock.step * total), 1, changed, clock}, held_below
+    return {math.ceil(clock.step * total), 1, changed, clock, others}, held_below
   end
 
   local tenant_tat, tenant_stored = load_tat(held[4], tenant)
@@ -564,6 +564,11 @@ local function permit(KEYS, ARGV)
     -- or idle: the route's next slots may be other tenants' places, and a slot
     -- left idle should go to a job that is behind its place, not ahead of it.
     local share_place = share and remaining and tonumber(returning_share_place)
+    -- Alone on an idle route, a place on its share line orders nobody: the
+    -- job goes now. (A route raised live under two backlogs sent one job,
+    -- parked before the raise in a long tier, 11-17 s after all the others,
+    -- its place still far out on an idle route.)
+    if share_place and route_idle and share[5] == 0 then share_place = nil end
     if share_place then share_place = share[4].place(share_place, tonumber(returning_share_step)) end
     -- A denial with places on the share line: the first, `v` in the route's
     -- virtual time, and their spacing there go with it (the job brings its

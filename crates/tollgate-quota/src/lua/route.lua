@@ -92,16 +92,22 @@ local function reserve(k, a, now)
   local paused_until = tonumber(string.match(raw_line or '', '^paused (%S+)$'))
   if paused_until and paused_until > now then return {1, math.ceil(paused_until - now), 0, 0} end
   if paused_until then raw_line = nil end
-  local clock, total = share_clock(weights_key, active_key, tenant_name, tonumber(a[8]) or 1, 1, b[1], now)
+  local clock, total, _, others = share_clock(weights_key, active_key, tenant_name, tonumber(a[8]) or 1, 1, b[1],
+    now)
   local spacing = clock.step * total
   local line = clock.line(raw_line)
+  local idle = (stored or 0) + b[1] <= now and free <= now
   local place_v = tonumber(a[6])
+  local not_before = tonumber(a[1])
+  -- Alone on an idle route, a place on its share line orders nobody: the
+  -- job goes now, as a fresh one (as on one Redis, `permit.lua`).
+  if place_v and idle and others == 0 then place_v, not_before = nil, 0 end
   if place_v then place_v = clock.place(place_v, tonumber(a[9])) end
   local place = place_v and clock.real(place_v)
   -- A job back for its place on its tenant's line (`not_before`), not for
   -- one on the route's.
-  local returning = not place and tonumber(a[1]) > 0
-  local start = math.max(place or tonumber(a[1]), now, penalty)
+  local returning = not place and not_before > 0
+  local start = math.max(place or not_before, now, penalty)
 
   -- The tenant counts among the route's tenants with work for a spacing
   -- after each call, and while it has places ahead.
@@ -137,7 +143,6 @@ local function reserve(k, a, now)
     count()
     return {1, math.ceil(start - window - now), 0, 0}
   end
-  local idle = (stored or 0) + b[1] <= now and free <= now
   -- A fresh job waits for its turn on its tenant's share of the route; a
   -- job back for its place has waited its turn in its tenant's line.
   if not place and not returning and not idle and line and line > now + window then return queue() end
