@@ -531,11 +531,11 @@ local function permit(KEYS, ARGV)
     -- The tenant's lines, in the order they are served: high, normal, low.
     local lines = {tenant_waiting_high_key, tenant_waiting_key, tenant_waiting_low_key}
     local rank = ({high = 1, normal = 2, low = 3})[priority] or 2
-    -- A job back from a quota wait: the time still left until it was told to
-    -- come back. It brings that time, not the time left: counted by the pod,
-    -- the time left lost the request's way here on every hop, and a
-    -- backlog's later jobs, after several hops, came back tens of ms past
-    -- their places (the places the route kept for them had gone).
+    -- A job back from a quota wait brings when it was told to come back; what
+    -- is left of that wait is counted here, on this clock. Counted by the
+    -- pod, it lost the request's way here on every hop, and a backlog's
+    -- later jobs, after several hops, came back tens of ms past their places
+    -- (the places the route kept for them had gone).
     local remaining = tonumber(returning_until_us)
     if remaining then remaining = math.max(remaining - now, 0) end
 
