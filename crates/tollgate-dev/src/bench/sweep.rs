@@ -804,8 +804,7 @@ async fn weighted_share(base: &Config, setting: Setting) -> anyhow::Result<Vec<F
 const RAISED_TO: u32 = 5;
 const RAISE_AFTER: Duration = Duration::from_secs(5);
 
-/// The two tenants of the raised parts, `RAISED` the one a weight raise
-/// is for.
+/// The two tenants of the raised parts; a weight raise is for the first.
 const RAISED: [&str; 2] = ["raised", "other"];
 
 /// Two tenants of weight 1 (their own quotas 100/s) share a route of
