@@ -965,8 +965,7 @@ impl RedisPermits {
             // line, if given one). A job back for its place keeps it.
             Some(1 | 8) => {
                 // As the tenant's denials: from when Redis made it.
-                let again = reserved.get(4).map(|&made| made + micros(at(1)) as i64);
-                let (retry_in, made) = self.on_pod_clock(now_micros, again, at(1), Due::ComeBack);
+                let (retry_in, made) = self.retry_on_pod_clock(now_micros, reserved.get(4), at(1));
                 let share = SharePlaces::from_reply(reserved.get(2), reserved.get(3));
                 let denied = Reply::Denied {
                     retry_in,
@@ -1136,8 +1135,7 @@ impl RedisPermits {
             Some(1) => {
                 // As a grant's send time: the retry counts from when Redis
                 // made the decision, on this pod's clock.
-                let again = reply.get(7).map(|&made| made + micros(at(1)) as i64);
-                let (retry_in, made) = self.on_pod_clock(now_micros, again, at(1), Due::ComeBack);
+                let (retry_in, made) = self.retry_on_pod_clock(now_micros, reply.get(7), at(1));
                 let denied = Reply::Denied {
                     retry_in,
                     interval: Some(at(2)),
@@ -1187,6 +1185,19 @@ impl RedisPermits {
             }
             _ => (delay, None),
         }
+    }
+
+    /// A denial's `retry` from `made` (Redis's time when it decided, as a
+    /// script's reply carries it): [`Self::on_pod_clock`] for its time to
+    /// come back.
+    fn retry_on_pod_clock(
+        &self,
+        now_micros: Option<u64>,
+        made: Option<&i64>,
+        retry: Duration,
+    ) -> (Duration, Option<UnixMillis>) {
+        let again = made.map(|&made| made + micros(retry) as i64);
+        self.on_pod_clock(now_micros, again, retry, Due::ComeBack)
     }
 
     /// A job's time to come back (`until`, the job's clock) on Redis's, in
