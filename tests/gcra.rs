@@ -2516,6 +2516,86 @@ fn a_job_alone_on_an_idle_route_goes_whatever_its_share_place() {
     }
 }
 
+/// Two tenants' backlogs of 300 jobs on a route of 15/s, raised to 45/s a
+/// second in: the places already given are re-spaced around the raise,
+/// and a job parked before it for one of its tenant's last places finds
+/// that place gone by once the lines have passed, whenever it comes back,
+/// even after its tenant left the route's tenants with work. (Leaving, a
+/// tenant forgot when its step changed, and its jobs back after that were
+/// told to wait for their places as first given: in the bench, a route
+/// raised from 15/s to 45/s under two backlogs sent its last jobs 10 s
+/// after the others, one per hop, the route idle.)
+#[test]
+fn places_re_spaced_by_a_raised_route_stay_re_spaced_after_their_tenant_leaves() {
+    use tollgate_core::ports::Returning;
+    for split in [false, true] {
+        runtime().block_on(async {
+            let (permits, quotas, _) = wide_tenants_on_a_30_per_second_route(split).await;
+            let route = route_of(&quotas, "15/s").await;
+            let (a, b) = (TenantId::parse("a").unwrap(), TenantId::parse("b").unwrap());
+            let (ids, keys) = jobs(0..600);
+            let ask = |i: usize, at: u64, returning: Option<Returning>| {
+                let tenant = if i.is_multiple_of(2) { &a } else { &b };
+                let req = PermitRequest {
+                    returning,
+                    ..request(tenant, &route, &ids[i], &keys[i])
+                };
+                permits.decide(req, 1, Some(at))
+            };
+            // A job back for the place it was given at `asked`.
+            let back = |i: usize, asked: u64, reply: Reply| match reply {
+                Reply::Denied {
+                    retry_in,
+                    interval,
+                    share: Some(share),
+                    ..
+                } => Returning {
+                    until: until_millis(asked + retry_in.as_micros() as u64),
+                    interval,
+                    share_place: Some(share.first_place()),
+                },
+                other => panic!("split {split}: job {i}: a place on a share, not {other:?}"),
+            };
+            // Both backlogs at once: b's last two places are 40 s out.
+            let mut kept = Vec::new();
+            for i in 0..600 {
+                let reply = ask(i, T0 + i as u64, None).await.unwrap();
+                if [20, 21, 597, 599].contains(&i) {
+                    kept.push(back(i, T0 + i as u64, reply));
+                }
+            }
+            route_of(&quotas, "45/s").await;
+            // A job of each tenant back a second on, after the raise (its
+            // place about now): both lines are re-spaced around it.
+            for (k, i) in [20, 21].into_iter().enumerate() {
+                ask(i, T0 + 1_000_000, Some(kept[k])).await.unwrap();
+            }
+            // Both lines have passed (at 45/s, the rest of the 600 places
+            // take 13 s); b's last two jobs come back, the second while the
+            // first's send is still reserved.
+            let now = T0 + 14_500_000;
+            for (k, i) in [597, 599].into_iter().enumerate() {
+                let returning = kept[2 + k];
+                assert!(
+                    returning.until.0 as u64 * 1_000 > now + 20_000_000,
+                    "split {split}: b's job {i} was given a place at {:?}",
+                    returning.until
+                );
+                let decision = ask(i, now + k as u64, Some(returning)).await.unwrap();
+                assert!(
+                    matches!(
+                        decision,
+                        Reply::Decision(PermitDecision::Granted { delay, .. })
+                            if delay < Duration::from_millis(100)
+                    ),
+                    "split {split}: b's job {i}, back after its place moved by, told {decision:?}"
+                );
+            }
+            quotas.purge_prefix().await.unwrap();
+        });
+    }
+}
+
 /// The route's set of tenants with work expired while its weights lived on
 /// (each key's TTL is only ever raised, and a set emptied and made again
 /// starts shorter): the weights of tenants long gone stayed in the sum,

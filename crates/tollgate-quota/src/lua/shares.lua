@@ -60,9 +60,16 @@ local function share_clock(weights_key, active_key, tenant_name, weight, usable,
     total = 0
   end
   local done = redis.call('ZRANGEBYSCORE', active_key, '-inf', string.format('%.0f', now), 'LIMIT', 0, 100)
+  -- A tenant that leaves keeps its step's record: its jobs parked before
+  -- the step last changed may still come back, and their places are
+  -- re-spaced around that change. (Dropped with the weight, they were
+  -- taken at the step they were given: a route raised from 15/s to 45/s
+  -- under two backlogs told the last jobs back to wait for their old
+  -- places, 10 s out on an idle route.) The records go when the route's
+  -- hash does, or when the set of tenants with work expires (above).
   for _, t in ipairs(done) do
     total = total - (field('w:' .. t) or 0)
-    redis.call('HDEL', weights_key, 'w:' .. t, 's:' .. t)
+    redis.call('HDEL', weights_key, 'w:' .. t)
     redis.call('ZREM', active_key, t)
   end
   local mine = field('w:' .. tenant_name) or 0
