@@ -2443,6 +2443,25 @@ fn a_resumed_tenant_sends_at_once_not_behind_the_places_its_pause_emptied() {
     });
 }
 
+/// What a job denied with `reply` at `asked` (µs) brings when it comes
+/// back for its place on its tenant's share of the route; `None` when the
+/// reply gave it no such place.
+fn back_for_its_share_place(asked: u64, reply: &Reply) -> Option<tollgate_core::ports::Returning> {
+    match *reply {
+        Reply::Denied {
+            retry_in,
+            interval,
+            share: Some(share),
+            ..
+        } => Some(tollgate_core::ports::Returning {
+            until: until_millis(asked + retry_in.as_micros() as u64),
+            interval,
+            share_place: Some(share.first_place()),
+        }),
+        _ => None,
+    }
+}
+
 /// Alone on an idle route, a job back early for its place on its tenant's
 /// share goes at once: the place orders it among nobody. While another
 /// tenant still has work it waits for its place, idle or not (the route's
@@ -2452,7 +2471,6 @@ fn a_resumed_tenant_sends_at_once_not_behind_the_places_its_pause_emptied() {
 /// idle route and was told to wait for a share place still far out.
 #[test]
 fn a_job_alone_on_an_idle_route_goes_whatever_its_share_place() {
-    use tollgate_core::ports::Returning;
     for split in [false, true] {
         runtime().block_on(async {
             let (permits, quotas, _) = wide_tenants_on_a_30_per_second_route(split).await;
@@ -2470,27 +2488,19 @@ fn a_job_alone_on_an_idle_route_goes_whatever_its_share_place() {
                     last = Some(reply);
                 }
             }
-            let back = |now: u64, reply: Reply| match reply {
-                Reply::Denied {
-                    retry_in,
-                    interval,
-                    share: Some(share),
-                    ..
-                } => {
-                    assert!(
-                        now + (retry_in.as_micros() as u64) > T0 + 3_000_000,
-                        "split {split}: a's last place is {retry_in:?} out"
-                    );
-                    PermitRequest {
-                        returning: Some(Returning {
-                            until: until_millis(now + retry_in.as_micros() as u64),
-                            interval,
-                            share_place: Some(share.first_place()),
-                        }),
-                        ..request(&a, &route, &ids[59], &keys[59])
-                    }
+            let back = |now: u64, reply: Reply| {
+                let returning = back_for_its_share_place(now, &reply).unwrap_or_else(|| {
+                    panic!("split {split}: a place on a's share, not {reply:?}")
+                });
+                assert!(
+                    returning.until.0 as u64 * 1_000 > T0 + 3_000_000,
+                    "split {split}: a's last place is at {:?}",
+                    returning.until
+                );
+                PermitRequest {
+                    returning: Some(returning),
+                    ..request(&a, &route, &ids[59], &keys[59])
                 }
-                other => panic!("split {split}: a place on a's share, not {other:?}"),
             };
             // Back early while b has work: it keeps waiting.
             let early = T0 + 300_000;
@@ -2543,18 +2553,10 @@ fn places_re_spaced_by_a_raised_route_stay_re_spaced_after_their_tenant_leaves()
                 permits.decide(req, 1, Some(at))
             };
             // A job back for the place it was given at `asked`.
-            let back = |i: usize, asked: u64, reply: Reply| match reply {
-                Reply::Denied {
-                    retry_in,
-                    interval,
-                    share: Some(share),
-                    ..
-                } => Returning {
-                    until: until_millis(asked + retry_in.as_micros() as u64),
-                    interval,
-                    share_place: Some(share.first_place()),
-                },
-                other => panic!("split {split}: job {i}: a place on a share, not {other:?}"),
+            let back = |i: usize, asked: u64, reply: Reply| {
+                back_for_its_share_place(asked, &reply).unwrap_or_else(|| {
+                    panic!("split {split}: job {i}: a place on a share, not {reply:?}")
+                })
             };
             // Both backlogs at once: b's last two places are 40 s out.
             let mut kept = Vec::new();
