@@ -190,8 +190,11 @@ async fn the_binary_runs_a_worker_and_every_verb_works() {
     );
 
     let port = free_port();
+    // On one runtime thread, the least `runtime_threads` takes: every
+    // verb below works against it as against the default two.
     let mut worker = WorkerProcess::command(&env, &provider.url(), port)
         .env("TOLLGATE_LOG_FORMAT", "json")
+        .env("TOLLGATE_RUNTIME_THREADS", "1")
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()
@@ -435,6 +438,27 @@ fn a_worker_refuses_an_empty_or_short_admin_token() {
         );
     }
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A runtime of no threads would never run a task: refused before anything
+/// starts, exit 64, naming the setting.
+#[test]
+fn a_runtime_of_no_threads_is_refused_by_name() {
+    let out = Command::new(tollgate_bin())
+        .args(["quota", "get", "acme"])
+        .env("TOLLGATE_RUNTIME_THREADS", "0")
+        .env(
+            "TOLLGATE_PREFIX",
+            format!("tgtest-threads-{}", std::process::id()),
+        )
+        .output()
+        .expect("tollgate runs");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(64), "{stderr}");
+    assert!(
+        stderr.contains("runtime_threads must be at least 1"),
+        "{stderr}"
+    );
 }
 
 /// A queue argument changed by configuration (here `delivery_limit`) cannot

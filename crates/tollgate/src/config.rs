@@ -70,6 +70,15 @@ pub struct Config {
     /// `concurrency` never leaves a pod too few deliveries to look past one
     /// tenant's backlog.
     pub prefetch: Option<u16>,
+    /// Threads the process's async runtime works on. Not one per core of
+    /// the node, tokio's default: with no CPU limit that is every core of
+    /// the machine, and each thread beyond what a pod uses costs CPU and
+    /// memory per job (threads waking each other to share the pod's
+    /// tasks). Two, so a burst of parking on one thread does not hold a
+    /// quiet tenant's job that the other can take. One costs least per job
+    /// (ARCHITECTURE, "Defaults and why"); raise it for a pod that must
+    /// use more than two cores.
+    pub runtime_threads: u16,
     /// Failed provider attempts (408/5xx/timeout) before `exhausted`.
     pub max_attempts: u32,
     pub http_addr: SocketAddr,
@@ -212,6 +221,7 @@ impl Default for Config {
             routes: BTreeMap::new(),
             concurrency: 64,
             prefetch: None,
+            runtime_threads: 2,
             max_attempts: 8,
             http_addr: ([0, 0, 0, 0], 9090).into(),
             http_max_connections: 64,
@@ -387,6 +397,9 @@ impl Config {
         }
         if self.concurrency == 0 {
             bail!("concurrency must be at least 1");
+        }
+        if self.runtime_threads == 0 {
+            bail!("runtime_threads must be at least 1");
         }
         if self.max_attempts == 0 {
             bail!("max_attempts must be at least 1");
@@ -1033,6 +1046,7 @@ mod tests {
             let error = format!("{:#}", bad.validate().unwrap_err());
             assert!(error.starts_with(key), "{key}: {error}");
         };
+        refused(|c| c.runtime_threads = 0, "runtime_threads");
         refused(|c| c.pacing_margin_pct = 0.0, "pacing_margin_pct");
         refused(|c| c.pacing_margin_pct = 0.5, "pacing_margin_pct");
         refused(|c| c.sent_ttl_s = 0, "sent_ttl_s");

@@ -22,8 +22,7 @@ const EXIT_CONFIG: u8 = 64;
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
-#[tokio::main]
-async fn main() -> ExitCode {
+fn main() -> ExitCode {
     let args = Cli::parse();
     let config = match Config::load(args.config.as_deref()) {
         Ok(config) => config,
@@ -51,7 +50,18 @@ async fn main() -> ExitCode {
         );
         return ExitCode::from(EXIT_CONFIG);
     }
-    match run(args.command, &actor, config).await {
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(usize::from(config.runtime_threads))
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(e) => {
+            eprintln!("tollgate: starting the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(run(args.command, &actor, config)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("tollgate: {e:#}");
