@@ -74,10 +74,10 @@ pub struct Config {
     /// the node, tokio's default: with no CPU limit that is every core of
     /// the machine, and each thread beyond what a pod uses costs CPU and
     /// memory per job (threads waking each other to share the pod's
-    /// tasks). Two, so a burst of parking on one thread does not hold a
-    /// quiet tenant's job that the other can take. One costs least per job
-    /// (ARCHITECTURE, "Defaults and why"); raise it for a pod that must
-    /// use more than two cores.
+    /// tasks). One costs least per job; two is the default so that a pod
+    /// with two cores can take a quiet tenant's job on one thread while the
+    /// other parks a burst (ARCHITECTURE, "Defaults and why", has both
+    /// measured). Raise it for a pod that must use more than two cores.
     pub runtime_threads: u16,
     /// Failed provider attempts (408/5xx/timeout) before `exhausted`.
     pub max_attempts: u32,
