@@ -31,6 +31,7 @@ fn pinned() -> BTreeMap<&'static str, Vec<&'static str>> {
             "tollgate_provider_request_duration_seconds",
             vec!["le", "outcome", "route"],
         ),
+        ("tollgate_redis_call_duration_seconds", vec!["call", "le"]),
         ("tollgate_jobs_completed_total", vec!["outcome", "tenant"]),
         ("tollgate_parked_total", vec!["reason", "tenant"]),
         ("tollgate_dead_letters_total", vec!["reason", "tenant"]),

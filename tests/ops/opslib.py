@@ -9,7 +9,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 RUNBOOK_BASE = "https://github.com/tollgate-rs/tollgate/blob/main/docs/runbooks/"
 
-# What tollgate exports (the contract in /work/shared/DESIGN.md and README.md).
+# What tollgate exports (README.md, "Metrics and health").
 # A name used in a dashboard or rule that is not here is a typo.
 COUNTERS = {
     "tollgate_permit_decisions_total",
@@ -28,6 +28,7 @@ HISTOGRAMS = {
     "tollgate_due_lag_seconds",
     "tollgate_quota_wait_seconds",
     "tollgate_provider_request_duration_seconds",
+    "tollgate_redis_call_duration_seconds",
 }
 GAUGES = {
     "tollgate_jobs_in_flight",

@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use prometheus::{
-    Encoder, GaugeVec, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
+    Encoder, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
     IntGaugeVec, Opts, Registry, TextEncoder,
 };
 use tollgate_amqp::ShardQueue;
@@ -28,6 +28,22 @@ pub const WAIT_BUCKETS: &[f64] = &[
 pub const LATENCY_BUCKETS: &[f64] = &[
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
 ];
+
+/// A pod's calls to Redis: a tenth of a millisecond (a round trip on one
+/// host) to the seconds of a Redis that is failing over.
+pub const REDIS_BUCKETS: &[f64] = &[
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+];
+
+/// What a job asked Redis for ([`Metrics::redis_call`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RedisCall {
+    /// Its permit decision.
+    Permit,
+    /// The record of its permit's use: the sent record before its ack, or
+    /// the permit given back.
+    Complete,
+}
 
 /// Label value for a message whose tenant could not be read.
 pub const UNKNOWN_TENANT: &str = "unknown";
@@ -85,6 +101,11 @@ struct Inner {
     shadow_decisions: IntCounterVec,
     provider_requests: IntCounterVec,
     provider_duration: HistogramVec,
+    /// `tollgate_redis_call_duration_seconds` by call, resolved once: both
+    /// series exist from the start, and a job's observation looks up no
+    /// label.
+    redis_permit: Histogram,
+    redis_complete: Histogram,
     jobs_completed: IntCounterVec,
     parked: IntCounterVec,
     dead_letters: IntCounterVec,
@@ -223,6 +244,13 @@ impl Metrics {
             .set(1);
 
         let r = &registry;
+        let redis_calls = histogram(
+            r,
+            "tollgate_redis_call_duration_seconds",
+            "How long a job waited for Redis, from asking to the answer (the wait for this pod's next batched call included): for its permit decision (call=\"permit\") and for the record of its call (call=\"complete\"; a sent job's ack waits for it). Redis is shared by the whole fleet: a rise on every pod at once is Redis.",
+            &["call"],
+            REDIS_BUCKETS,
+        );
         let inner = Inner {
             tenants: TenantLabels {
                 allow: allowlist.iter().cloned().collect(),
@@ -282,6 +310,8 @@ impl Metrics {
                 &["route", "outcome"],
                 LATENCY_BUCKETS,
             ),
+            redis_permit: redis_calls.with_label_values(&["permit"]),
+            redis_complete: redis_calls.with_label_values(&["complete"]),
             jobs_completed: counter(
                 r,
                 "tollgate_jobs_completed_total",
@@ -416,6 +446,15 @@ impl Metrics {
             .provider_duration
             .with_label_values(&[route, outcome])
             .observe(took.as_secs_f64());
+    }
+
+    /// One job's call to Redis took `took`, whatever its answer.
+    pub fn redis_call(&self, call: RedisCall, took: Duration) {
+        let histogram = match call {
+            RedisCall::Permit => &self.0.redis_permit,
+            RedisCall::Complete => &self.0.redis_complete,
+        };
+        histogram.observe(took.as_secs_f64());
     }
 
     pub fn tier_publish(&self, tier: Duration) {
@@ -568,6 +607,8 @@ mod tests {
         metrics.parked("acme", ParkReason::Quota);
         metrics.late_permit("acme");
         metrics.tier_publish(Duration::from_secs(5));
+        metrics.redis_call(RedisCall::Permit, Duration::from_micros(300));
+        metrics.redis_call(RedisCall::Complete, Duration::from_millis(2));
         metrics.look_ahead_opened("return");
         metrics.completed("acme", Completion::Sent, Duration::ZERO);
         metrics.dead_lettered("acme", DeadReason::Rejected, Duration::ZERO);
@@ -581,6 +622,7 @@ mod tests {
             "tollgate_shadow_decisions_total",
             "tollgate_provider_requests_total",
             "tollgate_provider_request_duration_seconds",
+            "tollgate_redis_call_duration_seconds",
             "tollgate_jobs_completed_total",
             "tollgate_parked_total",
             "tollgate_dead_letters_total",
@@ -592,6 +634,16 @@ mod tests {
         ] {
             assert!(text.contains(&format!("# HELP {name} ")), "{name} missing");
         }
+        // Each call in its own series, in the bucket its time falls in.
+        assert!(text.contains(
+            r#"tollgate_redis_call_duration_seconds_bucket{call="permit",le="0.0005"} 1"#
+        ));
+        assert!(text.contains(
+            r#"tollgate_redis_call_duration_seconds_bucket{call="complete",le="0.001"} 0"#
+        ));
+        assert!(text.contains(
+            r#"tollgate_redis_call_duration_seconds_bucket{call="complete",le="0.0025"} 1"#
+        ));
         assert!(text.contains(r#"tollgate_due_lag_seconds_bucket{tenant="acme",le="0.1"} 1"#));
         assert_eq!(
             metrics.counter_sum("tollgate_jobs_completed_total", &[("tenant", "acme")]),

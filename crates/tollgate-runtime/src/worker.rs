@@ -41,7 +41,7 @@ use crate::commit::{CommitGate, Commitment, Shield};
 use crate::health::Dependency;
 use crate::holds::HoldGate;
 use crate::lookahead::{Lookahead, Step, Via};
-use crate::metrics::{Metrics, UNKNOWN_TENANT};
+use crate::metrics::{Metrics, RedisCall, UNKNOWN_TENANT};
 use crate::settings::WorkerSettings;
 use crate::system_clock::SystemClock;
 use crate::tally::{FLUSH_EVERY, Tally};
@@ -989,7 +989,10 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
                     // anyway), else be given a place in line and park.
                     request.reserve_within =
                         (!self.holds.has_room(&job.tenant)).then(|| self.policy.tiers.shortest());
-                    let decided = match self.permits.acquire(request).await {
+                    let asked = Instant::now();
+                    let decided = self.permits.acquire(request).await;
+                    self.metrics.redis_call(RedisCall::Permit, asked.elapsed());
+                    let decided = match decided {
                         Ok(decided) => {
                             self.redis_health.up();
                             decided
@@ -1158,7 +1161,11 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
         let mut stop_seen: Option<Instant> = None;
         let mut failures = 0u32;
         loop {
-            let error = match self.permits.complete(request, used, penalty).await {
+            let asked = Instant::now();
+            let completed = self.permits.complete(request, used, penalty).await;
+            self.metrics
+                .redis_call(RedisCall::Complete, asked.elapsed());
+            let error = match completed {
                 Ok(learned) => {
                     self.redis_health.up();
                     // A sent job may take away a learned rate this pod shows
