@@ -6,8 +6,11 @@
 //! `TOLLGATE_PREFETCH` both set to that number. That is the honest ceiling
 //! for this work; a bare consume→ack loop is not. For tollgate it also
 //! reports Redis round trips per job, CPU-seconds per 1,000 jobs and the
-//! worker's peak RSS at each prefetch.
+//! worker's peak RSS at each prefetch, and for both where a job's time
+//! goes: each delivery slot's turn per job, and within it the waits for
+//! Redis and for the provider (tollgate's from its own histograms).
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 use anyhow::Context;
@@ -18,7 +21,7 @@ use tollgate_amqp::lapin::{Connection, ConnectionProperties};
 use tollgate_quota::{Redis, Script};
 
 use super::rig::ServicesCpu;
-use super::throughput::{consume, delete_queue, fill_queue, tollgate_process};
+use super::throughput::{JobWaits, consume, delete_queue, fill_queue, tollgate_process};
 use super::{BenchArgs, Figure, Scenario, progress};
 use crate::fake_provider::{FakeProvider, always_ok};
 use tollgate::config::Config;
@@ -66,6 +69,12 @@ pub async fn run(
         }
         let (mut minimal, mut tollgate, mut trips) = (vec![], vec![], vec![]);
         let (mut cpu, mut rss) = (vec![], vec![]);
+        // Milliseconds per job: each delivery slot's turn (prefetch ÷ the
+        // rate), and the waits for Redis and the provider within it; the
+        // minimal pipeline's, then tollgate's.
+        let (mut turn, mut redis_ms, mut provider_ms) =
+            ([vec![], vec![]], [vec![], vec![]], [vec![], vec![]]);
+        let (mut permit_ms, mut complete_ms) = (vec![], vec![]);
         // CPU-seconds per 1,000 jobs of Redis and the broker: the minimal
         // pipeline's, then tollgate's.
         let (mut redis_cpu, mut broker_cpu) = ([vec![], vec![]], [vec![], vec![]]);
@@ -74,8 +83,11 @@ pub async fn run(
                 "pipeline prefetch {prefetch} {i}/{}: minimal pipeline, {} jobs",
                 args.runs, args.jobs
             ));
-            let (rate, services) = minimal_pipeline(base, args.jobs, prefetch).await?;
+            let (rate, services, waits) = minimal_pipeline(base, args.jobs, prefetch).await?;
             minimal.push(rate);
+            turn[0].push(f64::from(prefetch) * 1e3 / rate);
+            redis_ms[0].push(waits.permit_ms);
+            provider_ms[0].push(waits.provider_ms);
             redis_cpu[0].push(services.redis);
             broker_cpu[0].extend(services.broker);
             progress(&format!(
@@ -90,6 +102,11 @@ pub async fn run(
             )
             .await?;
             tollgate.push(run.jobs_per_s);
+            turn[1].push(f64::from(prefetch) * 1e3 / run.jobs_per_s);
+            permit_ms.push(run.waits.permit_ms);
+            complete_ms.push(run.waits.complete_ms);
+            redis_ms[1].push(run.waits.permit_ms + run.waits.complete_ms);
+            provider_ms[1].push(run.waits.provider_ms);
             trips.push(run.round_trips_per_job);
             cpu.push(1_000.0 / run.jobs_per_cpu_second);
             rss.push(run.peak_rss_mib);
@@ -106,6 +123,43 @@ pub async fn run(
             Figure::new("tollgate: CPU-seconds per 1,000 jobs", "cpu-s", cpu),
             Figure::new("tollgate: peak RSS of the worker", "MiB", rss),
         ];
+        let [turn_minimal, turn_tollgate] = turn;
+        let [redis_minimal, redis_tollgate] = redis_ms;
+        let [provider_minimal, provider_tollgate] = provider_ms;
+        figures.extend([
+            Figure::new(
+                "minimal pipeline: a delivery slot's turn per job (prefetch / jobs/s)",
+                "ms",
+                turn_minimal,
+            ),
+            Figure::new(
+                "tollgate: a delivery slot's turn per job (prefetch / jobs/s)",
+                "ms",
+                turn_tollgate,
+            ),
+            Figure::new(
+                "minimal pipeline: a job's wait for Redis (its EVALSHA)",
+                "ms",
+                redis_minimal,
+            ),
+            Figure::new(
+                "tollgate: a job's wait for Redis (permit + sent record)",
+                "ms",
+                redis_tollgate,
+            ),
+            Figure::new("tollgate: … for its permit decision", "ms", permit_ms),
+            Figure::new("tollgate: … for its sent record", "ms", complete_ms),
+            Figure::new(
+                "minimal pipeline: a job's wait for the provider",
+                "ms",
+                provider_minimal,
+            ),
+            Figure::new(
+                "tollgate: a job's wait for the provider",
+                "ms",
+                provider_tollgate,
+            ),
+        ]);
         // The broker's only with the broker on this machine.
         let services = [
             (
@@ -149,12 +203,13 @@ pub async fn run(
 }
 
 /// Jobs/s of the minimal pipeline over `n` jobs with `prefetch` in flight,
-/// and what they cost Redis and the broker per 1,000 jobs.
+/// what they cost Redis and the broker per 1,000 jobs, and a job's mean
+/// waits for its Redis call (as `permit_ms`) and for the provider.
 async fn minimal_pipeline(
     base: &Config,
     n: u32,
     prefetch: u16,
-) -> anyhow::Result<(f64, ServicesCpu)> {
+) -> anyhow::Result<(f64, ServicesCpu, JobWaits)> {
     let provider = FakeProvider::start(always_ok()).await?;
     let url = format!("{}/send", provider.url());
     let conn = Connection::connect(base.amqp_url.expose(), ConnectionProperties::default())
@@ -168,6 +223,8 @@ async fn minimal_pipeline(
     let services_before = ServicesCpu::now(&redis).await?;
     let mut consumer = consume(&conn, &queue, prefetch).await?;
     let mut started = None;
+    // Nanoseconds waited, over all jobs: for Redis, for the provider.
+    let (redis_waited, provider_waited) = (AtomicU64::new(0), AtomicU64::new(0));
     // By reference: dropping the consumer closes its channel, and the last
     // jobs' acks are still on their way when the stream of n ends.
     consumer
@@ -179,9 +236,14 @@ async fn minimal_pipeline(
         })
         .try_for_each_concurrent(usize::from(prefetch), |delivery| {
             let (redis, script, counter, http, url) = (&redis, &script, &counter, &http, &url);
+            let (redis_waited, provider_waited) = (&redis_waited, &provider_waited);
+            let waited = |since: Instant| since.elapsed().as_nanos() as u64;
             async move {
+                let asked = Instant::now();
                 let mut r = redis.conn().await?;
                 let permit: i64 = script.key(counter).invoke_async(&mut r).await?;
+                redis_waited.fetch_add(waited(asked), Ordering::Relaxed);
+                let called = Instant::now();
                 let status = http
                     .post(url)
                     .header("x-tollgate-tenant", "minimal")
@@ -190,6 +252,7 @@ async fn minimal_pipeline(
                     .send()
                     .await?
                     .status();
+                provider_waited.fetch_add(waited(called), Ordering::Relaxed);
                 anyhow::ensure!(status.is_success(), "the provider answered {status}");
                 delivery.ack(BasicAckOptions::default()).await?;
                 Ok(())
@@ -207,5 +270,11 @@ async fn minimal_pipeline(
         .await?;
     delete_queue(&conn, &queue).await?;
     let _ = conn.close(200, "bench done".into()).await;
-    Ok((f64::from(n) / elapsed.as_secs_f64(), services))
+    let mean_ms = |waited: AtomicU64| waited.into_inner() as f64 / 1e6 / f64::from(n);
+    let waits = JobWaits {
+        permit_ms: mean_ms(redis_waited),
+        complete_ms: 0.0,
+        provider_ms: mean_ms(provider_waited),
+    };
+    Ok((f64::from(n) / elapsed.as_secs_f64(), services, waits))
 }

@@ -210,6 +210,39 @@ pub(super) struct ThroughputRun {
     pub peak_rss_mib: f64,
     /// What the run cost Redis and the broker, per 1,000 jobs.
     pub services: rig::ServicesCpu,
+    /// Where a job's time went, from the worker's own histograms.
+    pub waits: JobWaits,
+}
+
+/// Mean milliseconds a job waited for each of its calls.
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct JobWaits {
+    /// Its permit decision from Redis.
+    pub permit_ms: f64,
+    /// The record of its call in Redis, which its ack waits for.
+    pub complete_ms: f64,
+    /// The provider's answer.
+    pub provider_ms: f64,
+}
+
+impl JobWaits {
+    /// From a scrape of the worker's /metrics.
+    fn of(page: &rig::MetricsPage) -> Self {
+        // `labels` narrows the series; empty, every series of the family.
+        let mean_ms = |histogram: &str, labels: &str| {
+            let count = page.sum(&format!("{histogram}_count{labels}"));
+            if count == 0.0 {
+                return 0.0;
+            }
+            page.sum(&format!("{histogram}_sum{labels}")) * 1e3 / count
+        };
+        let redis = "tollgate_redis_call_duration_seconds";
+        Self {
+            permit_ms: mean_ms(redis, r#"{call="permit"}"#),
+            complete_ms: mean_ms(redis, r#"{call="complete"}"#),
+            provider_ms: mean_ms("tollgate_provider_request_duration_seconds", ""),
+        }
+    }
 }
 
 /// One tollgate worker process (with `extra` environment) through `n` jobs
@@ -249,6 +282,7 @@ pub(super) async fn tollgate_process(
         .await?
         .per_1000_jobs_since(&services_before, total);
     let peak_rss_mib = rig::peak_rss_mib(worker.pid)?;
+    let waits = JobWaits::of(&rig::metrics_page(worker.http_port).await?);
     rig.cleanup().await?;
     Ok(ThroughputRun {
         jobs_per_s: (total - 1) as f64 / elapsed.as_secs_f64(),
@@ -256,6 +290,7 @@ pub(super) async fn tollgate_process(
         jobs_per_cpu_second: total as f64 / cpu,
         peak_rss_mib,
         services,
+        waits,
     })
 }
 
