@@ -247,7 +247,7 @@ impl Metrics {
         let redis_calls = histogram(
             r,
             "tollgate_redis_call_duration_seconds",
-            "How long a job waited for Redis, from asking to the answer (the wait for this pod's next batched call included): for its permit decision (call=\"permit\") and for the record of its call (call=\"complete\"; a sent job's ack waits for it). Redis is shared by the whole fleet: a rise on every pod at once is Redis.",
+            "How long a job waited for Redis, from asking to the answer (the wait for this pod's next batched call included): for its permit decision (call=\"permit\"; one the pod made from a block of slots it already holds waits for nothing) and for the record of its call (call=\"complete\"; a sent job's ack waits for it). Redis is shared by the whole fleet: a rise on every pod at once is Redis.",
             &["call"],
             REDIS_BUCKETS,
         );
