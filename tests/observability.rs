@@ -179,6 +179,16 @@ async fn labels_are_pinned_and_payloads_never_leak() {
     for family in pinned().keys() {
         assert!(families.contains_key(*family), "{family} was not exported");
     }
+    // Every job above asked Redis for a permit, and every one that reached
+    // the provider for a record of its call: both series counted them.
+    for call in ["permit", "complete"] {
+        let series = format!("tollgate_redis_call_duration_seconds_count{{call=\"{call}\"}} ");
+        let count: f64 = text
+            .lines()
+            .find_map(|l| l.strip_prefix(&series)?.parse().ok())
+            .unwrap_or_else(|| panic!("no {series}"));
+        assert!(count >= 12.0, "{series}{count}: fewer calls than jobs");
+    }
     // No id, key or payload ever becomes a label value or appears at all.
     let values: BTreeSet<&String> = families
         .values()

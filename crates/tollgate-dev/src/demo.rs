@@ -14,7 +14,7 @@ use clap::Args;
 use tokio::sync::watch;
 use tollgate_amqp::Broker;
 use tollgate_core::{Adaptive, Clock, Quota, TenantId, UnixMillis};
-use tollgate_quota::{Actor, Change, QuotaStore, Target};
+use tollgate_quota::{Actor, CallKind, Change, QuotaStore, Target};
 
 use crate::fake_provider::{FakeProvider, Received, strict_limits};
 use tollgate::cli::{self, PublishArgs};
@@ -283,6 +283,18 @@ async fn show(
         )
     );
     print!("{}", summary(&received, &due, start));
+    // Redis is every job's other wait, shared by the whole fleet.
+    let mean = |call| {
+        metrics.redis_call_mean(call).map_or("-".to_owned(), |d| {
+            format!("{:.1} ms", d.as_secs_f64() * 1e3)
+        })
+    };
+    println!(
+        "Redis, as the workers saw it (tollgate_redis_call_duration_seconds): a permit decision \
+         took {} and the record of a call {}, on average.",
+        mean(CallKind::Permit),
+        mean(CallKind::Complete),
+    );
     for plan in PLANS.iter().filter(|p| p.adaptive) {
         let settings = store.get(&tenant_target(plan.tenant)?).await?;
         let learned = settings.and_then(|s| s.effective).unwrap_or(f64::NAN);

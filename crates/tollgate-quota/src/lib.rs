@@ -30,7 +30,7 @@ pub use activity::{
 };
 pub use conn::{Conn, Redis, RedisSettings};
 pub use keys::Keys;
-pub use permit::{PermitSettings, RedisPermits, Reply, SharePlaces};
+pub use permit::{CallKind, CallObserver, PermitSettings, RedisPermits, Reply, SharePlaces};
 pub use store::{Actor, AuditEntry, Cancel, Change, QuotaStore, Settings, Target, per_second};
 
 /// Re-exported for tools that talk to the same Redis (bench, tests).

@@ -545,6 +545,35 @@ struct Call {
 /// besides; a backlog still gets its places in every call.
 const BACKLOG_SHARE: usize = BATCH_MAX / 4;
 
+/// What a pod's call of `batch.lua` was for, as [`CallObserver`] is told.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CallKind {
+    /// A permit decision (on a Redis Cluster also a route's side of one).
+    Permit,
+    /// A permit decision for a tenant this pod already holds a backlog of,
+    /// which gives way to the other calls waiting (at most a quarter of a
+    /// batch): a fresh backlog's decisions wait their turn by design.
+    BacklogPermit,
+    /// The record of a permit's use: a sent record, which the job's ack
+    /// waits for, or a permit given back.
+    Complete,
+}
+
+impl CallKind {
+    fn of(group: Group, backlog: bool) -> Self {
+        match group {
+            Group::Complete | Group::RouteComplete => Self::Complete,
+            _ if backlog => Self::BacklogPermit,
+            Group::Permit | Group::RouteReserve | Group::RouteGiveBack => Self::Permit,
+        }
+    }
+}
+
+/// Told, for every permit decision and completion a pod asks Redis for, how
+/// long its caller waited: from asking to the answer, the wait for the
+/// pod's batched call included, whether or not the call succeeded.
+pub type CallObserver = Arc<dyn Fn(CallKind, Duration) + Send + Sync>;
+
 /// The pod's calls of `batch.lua`: whatever permit decisions and
 /// completions queued while one call was in flight go in the next, so an
 /// idle pod waits for nothing and a busy one makes one round trip for many
@@ -558,6 +587,7 @@ struct Batched {
     queue: OnceLock<mpsc::UnboundedSender<Call>>,
     /// Redis's clock against this pod's, learned from the batches.
     clock: Arc<Mutex<ClockOffset>>,
+    observer: Option<CallObserver>,
 }
 
 impl Batched {
@@ -567,6 +597,7 @@ impl Batched {
             script: Script::new(BATCH_LUA),
             queue: OnceLock::new(),
             clock: Arc::default(),
+            observer: None,
         }
     }
 
@@ -597,6 +628,7 @@ impl Batched {
         backlog: bool,
     ) -> Result<Vec<i64>, QuotaError> {
         debug_assert_eq!((keys.len(), args.len()), group.shape(), "{group:?}");
+        let asked = Instant::now();
         let queue = self.queue.get_or_init(|| {
             let (queue, calls) = mpsc::unbounded_channel();
             tokio::spawn(call_in_batches(
@@ -619,7 +651,11 @@ impl Batched {
                 done,
             })
             .map_err(|_| stopped())?;
-        reply.await.unwrap_or_else(|_| Err(stopped()))
+        let answer = reply.await.unwrap_or_else(|_| Err(stopped()));
+        if let Some(observer) = &self.observer {
+            observer(CallKind::of(group, backlog), asked.elapsed());
+        }
+        answer
     }
 }
 
@@ -800,6 +836,13 @@ impl RedisPermits {
             route_copies: tokio::sync::Mutex::default(),
             weights: Mutex::default(),
         }
+    }
+
+    /// Tells `observer` how long each permit decision and completion waited
+    /// for Redis.
+    pub fn observing_calls(mut self, observer: CallObserver) -> Self {
+        self.calls.observer = Some(observer);
+        self
     }
 
     /// Decides as on a Redis Cluster whatever the Redis: each route's side

@@ -16,6 +16,7 @@ use tollgate_core::ports::Learned;
 use tollgate_core::{
     Completion, DeadReason, DelayTiers, ParkReason, PermitDecision, ProviderOutcome, Shadow,
 };
+use tollgate_quota::CallKind;
 
 /// Milliseconds to a day, with the SLO thresholds 0.1 s, 1 s and 60 s on
 /// bucket boundaries (due lag can be hours when a queue backs up).
@@ -34,16 +35,6 @@ pub const LATENCY_BUCKETS: &[f64] = &[
 pub const REDIS_BUCKETS: &[f64] = &[
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
 ];
-
-/// What a job asked Redis for ([`Metrics::redis_call`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum RedisCall {
-    /// Its permit decision.
-    Permit,
-    /// The record of its permit's use: the sent record before its ack, or
-    /// the permit given back.
-    Complete,
-}
 
 /// Label value for a message whose tenant could not be read.
 pub const UNKNOWN_TENANT: &str = "unknown";
@@ -101,10 +92,11 @@ struct Inner {
     shadow_decisions: IntCounterVec,
     provider_requests: IntCounterVec,
     provider_duration: HistogramVec,
-    /// `tollgate_redis_call_duration_seconds` by call, resolved once: both
-    /// series exist from the start, and a job's observation looks up no
+    /// `tollgate_redis_call_duration_seconds` by call, resolved once: each
+    /// series exists from the start, and a call's observation looks up no
     /// label.
     redis_permit: Histogram,
+    redis_backlog_permit: Histogram,
     redis_complete: Histogram,
     jobs_completed: IntCounterVec,
     parked: IntCounterVec,
@@ -247,7 +239,7 @@ impl Metrics {
         let redis_calls = histogram(
             r,
             "tollgate_redis_call_duration_seconds",
-            "How long a job waited for Redis, from asking to the answer (the wait for this pod's next batched call included): for its permit decision (call=\"permit\"; one the pod made from a block of slots it already holds waits for nothing) and for the record of its call (call=\"complete\"; a sent job's ack waits for it). Redis is shared by the whole fleet: a rise on every pod at once is Redis.",
+            "How long this pod's calls to Redis took, from a job asking to its answer (the wait for the pod's next batched call included): permit decisions (call=\"permit\"; \"backlog_permit\" for a tenant the pod already holds a backlog of, which gives way to the others by design) and records of a permit's use (call=\"complete\"; a sent job's ack waits for its record). Every pod calls the one Redis: a rise on every pod at once is Redis.",
             &["call"],
             REDIS_BUCKETS,
         );
@@ -311,6 +303,7 @@ impl Metrics {
                 LATENCY_BUCKETS,
             ),
             redis_permit: redis_calls.with_label_values(&["permit"]),
+            redis_backlog_permit: redis_calls.with_label_values(&["backlog_permit"]),
             redis_complete: redis_calls.with_label_values(&["complete"]),
             jobs_completed: counter(
                 r,
@@ -448,13 +441,17 @@ impl Metrics {
             .observe(took.as_secs_f64());
     }
 
-    /// One job's call to Redis took `took`, whatever its answer.
-    pub fn redis_call(&self, call: RedisCall, took: Duration) {
-        let histogram = match call {
-            RedisCall::Permit => &self.0.redis_permit,
-            RedisCall::Complete => &self.0.redis_complete,
-        };
-        histogram.observe(took.as_secs_f64());
+    fn redis_histogram(&self, call: CallKind) -> &Histogram {
+        match call {
+            CallKind::Permit => &self.0.redis_permit,
+            CallKind::BacklogPermit => &self.0.redis_backlog_permit,
+            CallKind::Complete => &self.0.redis_complete,
+        }
+    }
+
+    /// A call to Redis took `took`, whatever its answer.
+    pub fn redis_call(&self, call: CallKind, took: Duration) {
+        self.redis_histogram(call).observe(took.as_secs_f64());
     }
 
     pub fn tier_publish(&self, tier: Duration) {
@@ -509,6 +506,14 @@ impl Metrics {
 
     pub fn set_consuming(&self, consuming: bool) {
         self.0.consuming.set(i64::from(consuming));
+    }
+
+    /// The mean time of this pod's calls of `call` so far (demo); `None`
+    /// before the first.
+    pub fn redis_call_mean(&self, call: CallKind) -> Option<Duration> {
+        let histogram = self.redis_histogram(call);
+        let count = histogram.get_sample_count();
+        (count > 0).then(|| Duration::from_secs_f64(histogram.get_sample_sum() / count as f64))
     }
 
     /// Sum of a counter over every label set matching `labels` (demo, tests).
@@ -607,8 +612,12 @@ mod tests {
         metrics.parked("acme", ParkReason::Quota);
         metrics.late_permit("acme");
         metrics.tier_publish(Duration::from_secs(5));
-        metrics.redis_call(RedisCall::Permit, Duration::from_micros(300));
-        metrics.redis_call(RedisCall::Complete, Duration::from_millis(2));
+        metrics.redis_call(CallKind::Permit, Duration::from_micros(300));
+        metrics.redis_call(CallKind::Complete, Duration::from_millis(2));
+        assert_eq!(
+            metrics.redis_call_mean(CallKind::Permit),
+            Some(Duration::from_micros(300))
+        );
         metrics.look_ahead_opened("return");
         metrics.completed("acme", Completion::Sent, Duration::ZERO);
         metrics.dead_lettered("acme", DeadReason::Rejected, Duration::ZERO);
@@ -641,6 +650,10 @@ mod tests {
         assert!(text.contains(
             r#"tollgate_redis_call_duration_seconds_bucket{call="complete",le="0.001"} 0"#
         ));
+        // A series observed nothing yet is there, at 0.
+        assert!(
+            text.contains(r#"tollgate_redis_call_duration_seconds_count{call="backlog_permit"} 0"#)
+        );
         assert!(text.contains(
             r#"tollgate_redis_call_duration_seconds_bucket{call="complete",le="0.0025"} 1"#
         ));

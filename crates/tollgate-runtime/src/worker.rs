@@ -41,7 +41,7 @@ use crate::commit::{CommitGate, Commitment, Shield};
 use crate::health::Dependency;
 use crate::holds::HoldGate;
 use crate::lookahead::{Lookahead, Step, Via};
-use crate::metrics::{Metrics, RedisCall, UNKNOWN_TENANT};
+use crate::metrics::{Metrics, UNKNOWN_TENANT};
 use crate::settings::WorkerSettings;
 use crate::system_clock::SystemClock;
 use crate::tally::{FLUSH_EVERY, Tally};
@@ -180,8 +180,10 @@ impl LiveWorker {
             store: store(),
             every: b.every,
         });
+        let calls = metrics.clone();
         let permits =
-            RedisPermits::new(Arc::clone(&redis), redis.keys(&s.prefix), s.permits.clone());
+            RedisPermits::new(Arc::clone(&redis), redis.keys(&s.prefix), s.permits.clone())
+                .observing_calls(Arc::new(move |call, took| calls.redis_call(call, took)));
         let provider = HttpProvider::new(s.routes.clone(), s.provider_timeout)?;
         Ok(Self {
             amqp_nodes: Arc::clone(&s.amqp_nodes),
@@ -989,10 +991,7 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
                     // anyway), else be given a place in line and park.
                     request.reserve_within =
                         (!self.holds.has_room(&job.tenant)).then(|| self.policy.tiers.shortest());
-                    let asked = Instant::now();
-                    let decided = self.permits.acquire(request).await;
-                    self.metrics.redis_call(RedisCall::Permit, asked.elapsed());
-                    let decided = match decided {
+                    let decided = match self.permits.acquire(request).await {
                         Ok(decided) => {
                             self.redis_health.up();
                             decided
@@ -1161,11 +1160,7 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
         let mut stop_seen: Option<Instant> = None;
         let mut failures = 0u32;
         loop {
-            let asked = Instant::now();
-            let completed = self.permits.complete(request, used, penalty).await;
-            self.metrics
-                .redis_call(RedisCall::Complete, asked.elapsed());
-            let error = match completed {
+            let error = match self.permits.complete(request, used, penalty).await {
                 Ok(learned) => {
                     self.redis_health.up();
                     // A sent job may take away a learned rate this pod shows

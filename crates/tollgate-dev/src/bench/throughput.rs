@@ -217,7 +217,7 @@ pub(super) struct ThroughputRun {
 /// Mean milliseconds a job waited for each of its calls.
 #[derive(Clone, Copy, Debug, Default)]
 pub(super) struct JobWaits {
-    /// Its permit decision from Redis.
+    /// Its permit decision from Redis (in the pod's backlog lane or not).
     pub permit_ms: f64,
     /// The record of its call in Redis, which its ack waits for.
     pub complete_ms: f64,
@@ -228,19 +228,24 @@ pub(super) struct JobWaits {
 impl JobWaits {
     /// From a scrape of the worker's /metrics.
     fn of(page: &rig::MetricsPage) -> Self {
-        // `labels` narrows the series; empty, every series of the family.
-        let mean_ms = |histogram: &str, labels: &str| {
-            let count = page.sum(&format!("{histogram}_count{labels}"));
+        // Over the series of `histogram` whose labels start as one of
+        // `labels` does (`""`: every series).
+        let mean_ms = |histogram: &str, labels: &[&str]| {
+            let total = |part: &str| -> f64 {
+                let series = |l: &&str| page.sum(&format!("{histogram}_{part}{l}"));
+                labels.iter().map(series).sum()
+            };
+            let count = total("count");
             if count == 0.0 {
                 return 0.0;
             }
-            page.sum(&format!("{histogram}_sum{labels}")) * 1e3 / count
+            total("sum") * 1e3 / count
         };
         let redis = "tollgate_redis_call_duration_seconds";
         Self {
-            permit_ms: mean_ms(redis, r#"{call="permit"}"#),
-            complete_ms: mean_ms(redis, r#"{call="complete"}"#),
-            provider_ms: mean_ms("tollgate_provider_request_duration_seconds", ""),
+            permit_ms: mean_ms(redis, &[r#"{call="permit"}"#, r#"{call="backlog_permit"}"#]),
+            complete_ms: mean_ms(redis, &[r#"{call="complete"}"#]),
+            provider_ms: mean_ms("tollgate_provider_request_duration_seconds", &[""]),
         }
     }
 }
