@@ -628,7 +628,7 @@ impl Batched {
         backlog: bool,
     ) -> Result<Vec<i64>, QuotaError> {
         debug_assert_eq!((keys.len(), args.len()), group.shape(), "{group:?}");
-        let asked = Instant::now();
+        let asked = self.observer.is_some().then(Instant::now);
         let queue = self.queue.get_or_init(|| {
             let (queue, calls) = mpsc::unbounded_channel();
             tokio::spawn(call_in_batches(
@@ -652,7 +652,7 @@ impl Batched {
             })
             .map_err(|_| stopped())?;
         let answer = reply.await.unwrap_or_else(|_| Err(stopped()));
-        if let Some(observer) = &self.observer {
+        if let (Some(observer), Some(asked)) = (&self.observer, asked) {
             observer(CallKind::of(group, backlog), asked.elapsed());
         }
         answer

@@ -650,13 +650,13 @@ mod tests {
         assert!(text.contains(
             r#"tollgate_redis_call_duration_seconds_bucket{call="complete",le="0.001"} 0"#
         ));
-        // A series observed nothing yet is there, at 0.
-        assert!(
-            text.contains(r#"tollgate_redis_call_duration_seconds_count{call="backlog_permit"} 0"#)
-        );
         assert!(text.contains(
             r#"tollgate_redis_call_duration_seconds_bucket{call="complete",le="0.0025"} 1"#
         ));
+        // A series that observed nothing yet is there, at 0.
+        assert!(
+            text.contains(r#"tollgate_redis_call_duration_seconds_count{call="backlog_permit"} 0"#)
+        );
         assert!(text.contains(r#"tollgate_due_lag_seconds_bucket{tenant="acme",le="0.1"} 1"#));
         assert_eq!(
             metrics.counter_sum("tollgate_jobs_completed_total", &[("tenant", "acme")]),
