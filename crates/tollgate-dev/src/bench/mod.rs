@@ -43,6 +43,7 @@ mod rig;
 mod sweep;
 mod throughput;
 
+use std::borrow::Cow;
 use std::path::PathBuf;
 
 use anyhow::Context;
@@ -67,10 +68,9 @@ pub struct BenchArgs {
     /// pipeline_p4, pipeline_p16, pipeline_p64, pipeline_p256; or of the
     /// sweep: sweep_c4, sweep_c16, sweep_c64, sweep_c256, sweep_p4, or one
     /// part of a point: sweep_c64.noisy_neighbour, .parks, .scheduled,
-    /// .adherence, .many_tenants, .weighted_share, .weight_raised,
-    /// .route_raised, .priority,
-    /// .quota_below_share, .shared_account; or one quota of the adaptive
-    /// comparison:
+    /// .adherence, .many_tenants, .thousand_tenants, .weighted_share,
+    /// .weight_raised, .route_raised, .priority, .quota_below_share,
+    /// .shared_account; or one quota of the adaptive comparison:
     /// adaptive_learned, adaptive_fixed_20, adaptive_fixed_8; or one peer:
     /// peer_dramatiq, peer_bullmq). `peer` runs both peers.
     #[arg(long, value_delimiter = ',')]
@@ -89,24 +89,24 @@ pub struct BenchArgs {
 
 /// One measured figure: its samples, unit and target.
 pub struct Figure {
-    pub name: &'static str,
+    pub name: Cow<'static, str>,
     pub unit: &'static str,
     pub samples: Vec<f64>,
-    pub target: Option<&'static str>,
+    pub target: Option<Cow<'static, str>>,
 }
 
 impl Figure {
-    pub fn new(name: &'static str, unit: &'static str, samples: Vec<f64>) -> Self {
+    pub fn new(name: impl Into<Cow<'static, str>>, unit: &'static str, samples: Vec<f64>) -> Self {
         Self {
-            name,
+            name: name.into(),
             unit,
             samples,
             target: None,
         }
     }
 
-    pub fn target(mut self, target: &'static str) -> Self {
-        self.target = Some(target);
+    pub fn target(mut self, target: impl Into<Cow<'static, str>>) -> Self {
+        self.target = Some(target.into());
         self
     }
 
@@ -299,7 +299,7 @@ pub async fn run(base: &Config, args: &BenchArgs) -> anyhow::Result<()> {
         "scenarios": scenarios.iter().map(|s| (s.key.to_owned(), json!({
             "title": s.title,
             "parameters": s.parameters,
-            "figures": s.figures.iter().map(|f| (f.name.to_owned(), f.json())).collect::<serde_json::Map<_, _>>(),
+            "figures": s.figures.iter().map(|f| (f.name.to_string(), f.json())).collect::<serde_json::Map<_, _>>(),
         }))).collect::<serde_json::Map<_, _>>(),
         "comparison": compared.iter().map(Compared::json).collect::<Vec<_>>(),
         "comparison_notes": notes,
@@ -413,7 +413,7 @@ fn markdown(
                 j["min"],
                 j["max"],
                 f.unit,
-                f.target.unwrap_or("")
+                f.target.as_deref().unwrap_or("")
             ));
         }
     }

@@ -90,6 +90,19 @@ impl Rig {
         Ok((jobs, now))
     }
 
+    /// Publishes `count` jobs of each tenant, tenant after tenant, in one
+    /// stream of publishes: a call per tenant would wait for each one's
+    /// confirms, and a thousand tenants' backlogs would take the bench
+    /// seconds to queue.
+    pub async fn publish_each(&self, tenants: &[String], count: u32) -> anyhow::Result<()> {
+        let now = SystemClock.now();
+        let mut jobs = Vec::with_capacity(tenants.len() * count as usize);
+        for tenant in tenants {
+            jobs.extend(cli::build_jobs(&PublishArgs::new(tenant, count), now)?);
+        }
+        cli::publish_jobs(&self.broker, &jobs, now).await
+    }
+
     /// The work queue (shard) a tenant's jobs land in: one probe job is
     /// published and found, then purged. Only before any worker consumes.
     pub async fn shard_of(&self, tenant: &str) -> anyhow::Result<usize> {
