@@ -71,6 +71,13 @@ async fn kill_9_of_one_worker_mid_run_loses_nothing() {
     // with the same Idempotency-Key (the provider performs it once); only
     // calls in flight at the kill can be in that window.
     assert!(repeats <= 64, "{repeats} repeated requests");
+    // What the killed worker held came back to the others, each counted as
+    // a delivery handed out again (toward the delivery limit).
+    let mut redelivered = 0.0;
+    for w in workers.iter().chain([&replacement]) {
+        redelivered += w.metric_sum("tollgate_redelivered_total{").await;
+    }
+    assert!(redelivered >= 1.0, "{redelivered} redelivered counted");
     wait_for("queues to drain", Duration::from_secs(10), || async {
         env.pending().await == 0
     })

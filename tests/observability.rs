@@ -37,6 +37,7 @@ fn pinned() -> BTreeMap<&'static str, Vec<&'static str>> {
         ("tollgate_dead_letters_total", vec!["reason", "tenant"]),
         ("tollgate_tier_publishes_total", vec!["tier"]),
         ("tollgate_look_aheads_total", vec!["lane"]),
+        ("tollgate_redelivered_total", vec!["lane"]),
         ("tollgate_jobs_in_flight", vec![]),
         ("tollgate_consuming", vec![]),
         ("tollgate_build_info", vec!["version"]),

@@ -21,6 +21,7 @@ COUNTERS = {
     "tollgate_dead_letters_total",
     "tollgate_tier_publishes_total",
     "tollgate_look_aheads_total",
+    "tollgate_redelivered_total",
     "tollgate_tenant_label_overflow_total",
 }
 HISTOGRAMS = {

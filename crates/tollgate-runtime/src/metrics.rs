@@ -103,6 +103,7 @@ struct Inner {
     dead_letters: IntCounterVec,
     tier_publishes: IntCounterVec,
     look_aheads: IntCounterVec,
+    redelivered: IntCounterVec,
     effective_rate: LearnedRates,
     route_effective_rate: LearnedRates,
     in_flight: IntGauge,
@@ -335,6 +336,12 @@ impl Metrics {
                 "Look-ahead consumers opened beyond a queue's share of the prefetch, by lane (work, return, recheck): the queue delivered only jobs to park or to hold for later slots. A pod holding far more unacked deliveries than its prefetch is looking ahead.",
                 &["lane"],
             ),
+            redelivered: counter(
+                r,
+                "tollgate_redelivered_total",
+                "Deliveries the broker handed out again, by lane (work, return, recheck): a worker died or lost its channel holding them, a delivery was handed back, or a look-ahead consumer was cancelled while the broker was still sending to it. Each counts toward the delivery limit (poison).",
+                &["lane"],
+            ),
             effective_rate: LearnedRates::new(gauge(
                 r,
                 "tollgate_quota_effective_rate",
@@ -355,6 +362,7 @@ impl Metrics {
         // series that is not there yet is no data rather than none opened.
         for lane in ShardQueue::ALL {
             inner.look_aheads.with_label_values(&[lane.lane()]);
+            inner.redelivered.with_label_values(&[lane.lane()]);
         }
         Self(Arc::new(inner))
     }
@@ -464,6 +472,11 @@ impl Metrics {
     /// A look-ahead consumer opened on a queue of `lane`.
     pub fn look_ahead_opened(&self, lane: &str) {
         self.0.look_aheads.with_label_values(&[lane]).inc();
+    }
+
+    /// A delivery from a queue of `lane` came marked redelivered.
+    pub fn redelivered(&self, lane: &str) {
+        self.0.redelivered.with_label_values(&[lane]).inc();
     }
 
     pub fn parked(&self, tenant: &str, reason: ParkReason) {
@@ -619,6 +632,7 @@ mod tests {
             Some(Duration::from_micros(300))
         );
         metrics.look_ahead_opened("return");
+        metrics.redelivered("return");
         metrics.completed("acme", Completion::Sent, Duration::ZERO);
         metrics.dead_lettered("acme", DeadReason::Rejected, Duration::ZERO);
         let text = metrics.render();
@@ -637,6 +651,7 @@ mod tests {
             "tollgate_dead_letters_total",
             "tollgate_tier_publishes_total",
             "tollgate_look_aheads_total",
+            "tollgate_redelivered_total",
             "tollgate_jobs_in_flight",
             "tollgate_consuming",
             "tollgate_build_info",

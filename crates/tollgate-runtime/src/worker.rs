@@ -586,6 +586,15 @@ impl<P: PermitStore, V: Provider> Worker<P, V> {
                 next = consumption.deliveries.next() => match next {
                     Some((source, Ok(delivery))) => {
                         let bytes = delivery.data.len();
+                        if delivery.redelivered {
+                            // Counted toward the delivery limit: a pod that
+                            // died, or a look-ahead cancelled mid-send.
+                            let lane = match lane_of(source) {
+                                Some((queue, _)) => consumption.control.lane_queue(queue).0.lane(),
+                                None => "draining",
+                            };
+                            self.metrics.redelivered(lane);
+                        }
                         let (worker, broker) = (Arc::clone(self), Arc::clone(&broker));
                         let acks = consumption.acks.clone();
                         // Boxed: the job's state machine (12.5 KB in a release

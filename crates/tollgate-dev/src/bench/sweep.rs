@@ -507,6 +507,8 @@ async fn many_tenants(
     let drain = started.elapsed();
     let received = rig.provider.received();
     let late = scrape_sum(&ports, "tollgate_late_permits_total{").await;
+    let redelivered = scrape_sum(&ports, "tollgate_redelivered_total{").await;
+    let poison = scrape_sum(&ports, r#"tollgate_dead_letters_total{reason="poison""#).await;
     rig.cleanup().await?;
     let sent = received.iter().filter(|r| r.status == 200).count();
     let worst = names
@@ -548,6 +550,17 @@ async fn many_tenants(
             "permits",
             vec![late],
         ),
+        Figure::new(
+            format!("{label}: deliveries redelivered (each counts toward poison)"),
+            "deliveries",
+            vec![redelivered],
+        ),
+        Figure::new(
+            format!("{label}: dead-lettered as poison"),
+            "jobs",
+            vec![poison],
+        )
+        .target("0"),
     ])
 }
 
