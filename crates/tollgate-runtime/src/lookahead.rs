@@ -32,26 +32,11 @@
 //! queue, then another of twice the size as soon as that one is half full
 //! the same way: the pod takes the burst in ahead of parking it, parks
 //! it side by side, and a due job behind it reaches the provider without
-//! waiting for every park before it. What a pod may hold is bounded by
-//! [`Lookahead::MAX_DEPTH`] consumers per queue and by the bytes it holds.
-//!
-//! The look-ahead closes once its queue goes quiet
-//! ([`Lookahead::IDLE_MS`]), not as soon as due work comes through it.
-//! Cancelling a consumer of a busy quorum queue hands back what the broker
-//! had already dispatched to it and the pod had not yet read, and RabbitMQ
-//! counts each such return as a delivery (`x-delivery-count`, toward the
-//! queues' delivery limit). Closed for due work, a return queue's
-//! look-ahead closed and reopened several times a second on every pod, its
-//! consumers cancelled one after another, and a copy handed back by one
-//! could be dispatched to the next just before it was cancelled too: up to
-//! a few hundred deliveries handed out again per run of a thousand tenants,
-//! and at one delivery per queue a job dead-lettered as `poison` in 2 runs
-//! of 14 though no worker had failed. A queue silent for a second has
-//! nothing on its way to be handed back. Kept open while due work flows, a
-//! pod takes more than its share of it; every pod's look-ahead does the
-//! same, so the work still spreads over the pods (closing a work queue's
-//! look-ahead for due work, and only a return or recheck queue's when
-//! quiet, still handed back 4–34 deliveries per such run).
+//! waiting for every park before it. The look-ahead closes as soon as the
+//! queue delivers due work (a pod must not take due work beyond its share:
+//! other pods could send it) or goes quiet. What a pod may hold is bounded
+//! by [`Lookahead::MAX_DEPTH`] consumers per queue and by the bytes it
+//! holds.
 //!
 //! This is the decision only, with injected time; the worker carries it
 //! out against the broker.
@@ -142,6 +127,11 @@ impl Lookahead {
         }
         q.recent = (q.recent << 1) | u32::from(not_due);
         q.seen = (q.seen + 1).min(Self::WINDOW);
+        if !q.open.is_empty() && q.seen >= Self::MIN_SEEN && q.not_due() * 2 < q.seen {
+            // Due work is coming through: take no more than the share.
+            q.open.clear();
+            return Some(Step::Close { queue });
+        }
         self.open_if_backed_up(queue)
     }
 
@@ -298,20 +288,17 @@ mod tests {
     }
 
     #[test]
-    fn due_work_behind_the_burst_keeps_the_look_ahead_until_the_queue_goes_quiet() {
+    fn due_work_behind_the_burst_closes_the_look_ahead() {
         let (mut l, _) = backed_up(Lookahead::MIN_SEEN);
-        for ms in 0..10 * i64::from(Lookahead::WINDOW) {
-            // Every delivery due: no look-ahead opens, none closes.
-            assert_eq!(l.settled(0, Via::Ahead, 100, false), None);
-            assert_eq!(l.delivered(0, Via::Ahead, 100, ms), None);
+        let mut closed = None;
+        for _ in 0..Lookahead::WINDOW {
+            if let Some(step) = l.settled(0, Via::Ahead, 100, false) {
+                closed = Some(step);
+                break;
+            }
         }
-        let last = 10 * i64::from(Lookahead::WINDOW) - 1;
-        assert_eq!(l.queues[0].open.len(), 1, "still open");
-        assert_eq!(l.tick(last + Lookahead::IDLE_MS - 1), vec![]);
-        assert_eq!(
-            l.tick(last + Lookahead::IDLE_MS),
-            vec![Step::Close { queue: 0 }]
-        );
+        assert_eq!(closed, Some(Step::Close { queue: 0 }));
+        assert!(l.queues[0].open.is_empty());
     }
 
     #[test]

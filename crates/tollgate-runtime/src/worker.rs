@@ -274,7 +274,7 @@ async fn look_ahead(consumption: &mut Consumption, metrics: &Metrics, step: Step
         Step::Close { queue } => match consumption.control.stop_looking_ahead(queue).await {
             Ok(()) => info!(
                 queue = consumption.control.lane_queue(queue).1,
-                "a queue went quiet: back to its share of the prefetch"
+                "a queue delivers due work or nothing: back to its share of the prefetch"
             ),
             Err(e) => warn!(error = %e, "cancelling look-ahead consumers"),
         },
