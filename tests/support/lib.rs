@@ -449,17 +449,9 @@ impl WorkerProcess {
     /// The sum of the samples on its `/metrics` whose line starts with
     /// `series` (a name, or a name and the start of its labels).
     pub async fn metric_sum(&self, series: &str) -> f64 {
-        let url = format!("http://127.0.0.1:{}/metrics", self.http_port);
-        let text = reqwest::get(&url)
+        tollgate_dev::bench::scrape(self.http_port, series)
             .await
             .expect("/metrics answers")
-            .text()
-            .await
-            .expect("/metrics has a body");
-        text.lines()
-            .filter(|l| l.starts_with(series))
-            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-            .sum()
     }
 }
 

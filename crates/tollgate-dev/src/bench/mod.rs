@@ -43,6 +43,9 @@ mod rig;
 mod sweep;
 mod throughput;
 
+/// A worker's counter or gauge from its /metrics (the tests read them too).
+pub use rig::scrape;
+
 use std::borrow::Cow;
 use std::path::PathBuf;
 
